@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from scipy.linalg.blas import saxpy
 
-# OpenBLAS runs axpy on the calling thread for n <= 10_000 and wakes its thread pool above
-# that; on busy cores (a server beside simulated clients) the pool can stall each call
-# for milliseconds, so long vectors go in slices of this length.
-_AXPY_CHUNK = 10_000
+
+@functools.cache
+def blas_on_calling_thread() -> None:
+    """Once per process: OpenBLAS (numpy's and scipy's) runs on the calling thread.
+
+    OpenBLAS wakes its thread pool for vectors over 10,000 elements. On busy cores (a
+    server beside simulated clients) waking it stalled each call for milliseconds (13-20
+    ms per 1M-float update), and a memory-bound norm or axpy gains little from a second
+    core. Slicing vectors into 10,000-element calls avoided the pool but cost ~100 Python
+    calls per million elements; one call per vector on this thread costs one.
+    """
+    from threadpoolctl import ThreadpoolController
+
+    ThreadpoolController().select(internal_api="openblas").limit(limits=1)
 
 
 class Combine:
@@ -37,17 +49,16 @@ class WeightedMean(Combine):
         self.total_weight = 0.0
 
     def start(self, dim: int) -> None:
+        blas_on_calling_thread()
         self._acc = np.zeros(dim, dtype=np.float32)
         self.total_weight = 0.0
 
     def add(self, delta: np.ndarray, weight: float) -> None:
         assert self._acc is not None, "start() first"
-        acc, n = self._acc, delta.size
-        delta = np.ascontiguousarray(delta)  # else BLAS would copy it for every slice
-        # BLAS saxpy: acc += weight * delta in one streaming pass, no temporary. Positional
-        # arguments (n, a, offx, incx, offy, incy): slices by offset, acc updated in place.
-        for s in range(0, n, _AXPY_CHUNK):
-            saxpy(delta, acc, min(_AXPY_CHUNK, n - s), weight, s, 1, s, 1)
+        # BLAS saxpy: acc += weight * delta in one streaming pass, no temporary; acc (float32,
+        # contiguous) is updated in place. A strided delta is copied once by the wrapper.
+        if delta.size:  # (the BLAS wrapper refuses empty vectors)
+            saxpy(delta, self._acc, delta.size, weight)
         self.total_weight += weight
 
     def result(self) -> np.ndarray | None:

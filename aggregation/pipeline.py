@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregation.combine import Combine
+from aggregation.combine import Combine, blas_on_calling_thread
 from aggregation.server_opt import FedAvg, ServerOptimizer
 from aggregation.stages import Candidate, UpdateStage
 from aggregation.update import Rejected, Update, Verdict
@@ -110,6 +110,7 @@ class RoundAggregation:
         self.num_accepted = 0
         self._finished = False
         self._result: np.ndarray | None = None
+        blas_on_calling_thread()  # norms and sums of long vectors: one BLAS call each
         # Each round accumulates in its own combine, so rounds open at once stay apart.
         self.combine = copy.copy(pipeline.combine)
         self.combine.start(dim)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.linalg.blas import sdot
 
 from aggregation.staleness import Constant, StalenessFn
 from aggregation.update import Rejected, Update
@@ -31,10 +32,12 @@ class Candidate:
         return self.update.delta
 
     def l2_norm(self) -> float:
-        """The delta's L2 norm, computed once (one BLAS pass)."""
+        """The delta's L2 norm, computed once (one BLAS pass, in float32 like the delta)."""
         if self.norm is None:
             d = self.update.delta
-            self.norm = math.sqrt(float(np.dot(d, d)))
+            flat32 = d.dtype == np.float32 and d.ndim == 1 and d.size and d.flags.c_contiguous
+            # scipy's sdot is np.dot without numpy's dispatch (half its cost at 10k floats)
+            self.norm = math.sqrt(float(sdot(d, d) if flat32 else np.dot(d, d)))
         return self.norm
 
 

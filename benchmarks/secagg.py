@@ -14,8 +14,13 @@ float32 delta of d coordinates, so only aggregation and protocol costs are measu
 Per configuration: round wall time, per-client CPU time (thread time inside the ClientApp,
 median over clients), and for fedring the secure overhead (client CPU minus plain's) next
 to the PRG bound: the CPU time to expand (k+1) AES-128-CTR masks of d 32-bit words and
-add them. With 10% of the clients vanishing after sharing keys, the server's unmasking
-time is set against the time to expand the masks it has to remove. Prints one JSON object.
+add them, measured right after each round so that overhead and bound see the same
+machine load (the ratio reported is the median over the repetitions). With 10% of the
+clients vanishing after sharing keys, the server's unmasking CPU time is set against the
+CPU time to expand the dropped clients' pair masks, and against expanding every mask it
+removes (those plus one self-mask per survivor: the floor). The survivors' masked
+vectors are summed as they arrive, in the masked-input stage, so unmasking is
+reconstruction plus mask removal. Prints one JSON object.
 
     .venv/bin/python benchmarks/secagg.py            # full grid, about 10 minutes here
     .venv/bin/python benchmarks/secagg.py --quick    # tiny N and d, fedring only (< 30 s)
@@ -254,22 +259,6 @@ def flower_in_child(inputs: dict[int, tuple[np.ndarray, int]], n: int, d: int,
     return out
 
 
-# --------------------------------------------------------------------------- bounds
-
-
-def sum_bound(d: int, vectors: int, reps: int = 3) -> float:
-    """Best CPU time to add ``vectors`` distinct uint32 vectors of d words (memory-bound)."""
-    vs = [np.full(d, i, np.uint32) for i in range(vectors)]
-    acc = np.zeros(d, np.uint32)
-    best = float("inf")
-    for _ in range(reps):
-        started = time.thread_time()
-        for v in vs:
-            np.add(acc, v, out=acc)
-        best = min(best, time.thread_time() - started)
-    return best
-
-
 # --------------------------------------------------------------------------- driver
 
 
@@ -300,7 +289,7 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
     rnd = 0
     for name, (neighbors, _) in variants.items():
         settings = SecAggScenarioConfig(enabled=True, neighbors=neighbors, clip_range=CLIP)
-        walls, cpus, stats, round_cpu, clients_wall = [], [], None, [], []
+        walls, cpus, stats, round_cpu, clients_wall, bounds = [], [], None, [], [], []
         for _ in range(reps):
             rnd += 1
             app.reset()
@@ -312,18 +301,21 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
             walls.append(wall)
             cpus.append(median_client_cpu(app))
             stats = out
+            bounds.append(prg_bound(d, out.k + 1))  # right after: the same machine load
         k = stats.k
-        bound = prg_bound(d, k + 1)
         overhead = min(cpus) - plain_cpu
+        ratios = [(c - plain_cpu) / b for c, b in zip(cpus, bounds, strict=True) if b]
         best = walls.index(min(walls))
         row[name] = {"k": k, "t": stats.t, "round_s": min(walls),
                      "round_cpu_s": round_cpu[best],
                      "server_s": min(walls) - clients_wall[best], "client_cpu_s": min(cpus),
-                     "client_secure_overhead_s": overhead, "prg_bound_s": bound,
-                     "overhead_over_prg": overhead / bound if bound else None,
+                     "client_secure_overhead_s": overhead, "prg_bound_s": min(bounds),
+                     "overhead_over_prg_each": ratios,
+                     "overhead_over_prg": statistics.median(ratios) if ratios else None,
                      "server_stage_s": stats.server_seconds}
         log(f"N={n} d={d} {name} k={k} {min(walls):.3f} s, client {min(cpus) * 1e3:.1f} ms "
-            f"(overhead {overhead * 1e3:.1f} ms, PRG bound {bound * 1e3:.1f} ms)")
+            f"(overhead {overhead * 1e3:.1f} ms, PRG bound {min(bounds) * 1e3:.1f} ms, "
+            f"ratios {' '.join(f'{r:.2f}' for r in ratios)})")
 
     # 10% of the clients vanish after sharing keys: the server removes their pair masks
     for name in ("fedring_auto", "fedring_full"):  # k = 3, t = 2 is not built for 10%
@@ -337,25 +329,38 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
                 return False
             return read_header(msg.content["secagg"]["msg"]).kind is MsgType.FORWARDED_SHARES
 
-        app.vanish = vanish
-        rnd += 1
         settings = SecAggScenarioConfig(enabled=True, neighbors=neighbors, clip_range=CLIP)
-        _, out = fedring_round(grid, nodes, d, settings, rnd)
-        app.vanish = None
+        runs = []
+        for _ in range(min(reps, 2)):
+            app.vanish = vanish
+            rnd += 1
+            _, out = fedring_round(grid, nodes, d, settings, rnd)
+            app.vanish = None
+            pair = out.masks_removed - len(out.survivors)
+            runs.append((out, prg_bound(d, pair, reps=1), prg_bound(d, out.masks_removed, reps=1)))
+        out = runs[0][0]
         survivors = len(out.survivors)
         pair = out.masks_removed - survivors
-        unmask = out.server_seconds.get("unmasking", 0.0)
-        prg_dropped = prg_bound(d, pair, reps=1)
-        prg_all = prg_bound(d, out.masks_removed, reps=1)
-        adds = sum_bound(d, survivors, reps=1)
+        unmask = [o.server_seconds.get("unmasking", 0.0) for o, _, _ in runs]
+        unmask_cpu = [o.server_cpu_seconds.get("unmasking", 0.0) for o, _, _ in runs]
+        over_dropped = [u / p for u, (_, p, _) in zip(unmask_cpu, runs, strict=True) if p]
+        over_all = [u / a for u, (_, _, a) in zip(unmask_cpu, runs, strict=True)]
         row[name]["dropout10"] = {
             "dropped": len(dropped), "survivors": survivors, "pair_masks_removed": pair,
-            "unmask_s": unmask, "prg_dropped_masks_s": prg_dropped,
-            "prg_all_masks_s": prg_all, "sum_survivor_inputs_s": adds,
-            "unmask_over_prg_dropped": unmask / prg_dropped if prg_dropped else None,
-            "unmask_over_prg_all_plus_sum": unmask / (prg_all + adds)}
-        log(f"N={n} d={d} {name} 10% dropped: unmask {unmask * 1e3:.1f} ms, dropped masks "
-            f"{prg_dropped * 1e3:.1f} ms, all masks + sum {(prg_all + adds) * 1e3:.1f} ms")
+            "self_masks_removed": survivors, "unmask_s": min(unmask),
+            "unmask_cpu_s": min(unmask_cpu),
+            "masked_input_stage_cpu_s": out.server_cpu_seconds.get("masked_input", 0.0),
+            "prg_dropped_masks_s": min(p for _, p, _ in runs),
+            "prg_all_masks_s": min(a for _, _, a in runs),
+            "unmask_over_prg_dropped_each": over_dropped,
+            "unmask_over_prg_dropped": statistics.median(over_dropped) if over_dropped else None,
+            "unmask_over_prg_all": statistics.median(over_all)}
+        got = row[name]["dropout10"]
+        log(f"N={n} d={d} {name} 10% dropped: unmask {min(unmask) * 1e3:.1f} ms "
+            f"({min(unmask_cpu) * 1e3:.1f} CPU), dropped masks "
+            f"{got['prg_dropped_masks_s'] * 1e3:.1f} ms, all masks "
+            f"{got['prg_all_masks_s'] * 1e3:.1f} ms, ratios "
+            f"{' '.join(f'{r:.2f}' for r in over_dropped)}")
     del grid, app
     gc.collect()
 
@@ -384,8 +389,12 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
               if r[v]["dropout10"]["unmask_over_prg_dropped"] is not None]
     if ratios:
         worst_u = max(ratios)
+        floor = max((r[v]["dropout10"]["unmask_over_prg_all"], r["N"], r["d"], v) for r in rows
+                    for v in ("fedring_auto", "fedring_full"))
         out["unmask_le_1.5x_dropped_masks"] = {"worst": worst_u[0], "at": worst_u[1:],
-                                               "met": worst_u[0] <= 1.5}
+                                               "met": worst_u[0] <= 1.5,
+                                               "worst_over_all_masks": floor[0],
+                                               "worst_over_all_masks_at": floor[1:]}
     for r in rows:
         if r["N"] == 100 and r["d"] >= 10**6 and "flower_shares3" in r:
             f, k3 = r["flower_shares3"], r["fedring_k3"]
@@ -423,7 +432,7 @@ def main() -> None:
     load_before = list(os.getloadavg())
     rows = []
     for n, d in grid:
-        rows.append(measure(n, d, reps=reps if d < 10**6 or args.quick else 1, flower=flower,
+        rows.append(measure(n, d, reps=reps, flower=flower,
                             limit=args.flower_limit,
                             log=lambda s: print(s, file=sys.stderr, flush=True)))
     import cryptography

@@ -11,20 +11,33 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
 
 from client import wire
+from client.compression import reply_record
 from client.flat_model import FlatModel
 from client.secure_client import register_secagg
-from client.task import ClientTask, SpecResolver, TaskFactory
+from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
 from client.training import evaluate, train, train_dp_sgd
 from privacy.dp import local_dp_update
+from privacy.secagg import ProtocolError
+
+MESSAGE_REFUSED = 400  # Error code of the reply to a server message the client cannot use
 
 
 @dataclass
@@ -35,6 +48,13 @@ class _Worker:
     model: FlatModel
     data: dict[int, tuple[torch.Tensor, torch.Tensor]]
     delta: np.ndarray  # reused for every reply's delta before it is serialised
+    replies: wire.ReplyBuffers = field(default_factory=wire.ReplyBuffers)  # in-process
+    spans: list[tuple[str, slice]] = field(default_factory=list)  # each tensor in the flat
+
+    def __post_init__(self) -> None:
+        layout = self.model.layout
+        self.spans = [(name, slice(off, off + size)) for name, off, size
+                      in zip(layout.names, layout.offsets, layout.sizes, strict=True)]
 
 
 @dataclass
@@ -91,6 +111,9 @@ class FedringClient:
 
     def _worker(self, config: ConfigRecord, context: Context) -> _Worker:
         raw = config.get(wire.TASK_KEY)
+        if raw is not None and not isinstance(raw, str):
+            raise wire.WireError(f"config '{wire.TASK_KEY}' must be a JSON string, got "
+                                 f"{type(raw).__name__}")
         if isinstance(raw, str):
             key = raw
         else:
@@ -101,7 +124,11 @@ class FedringClient:
             key = _SPECS[run_config]
         worker = _WORKERS.get(key)
         if worker is None:
-            task = self._task_factory(json.loads(key))
+            try:
+                task = self._task_factory(json.loads(key))
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                raise wire.WireError(f"config '{wire.TASK_KEY}' is not a task this client can "
+                                     f"build: {exc}") from exc
             model = FlatModel(task.build_model())
             worker = _Worker(task=task, model=model, data={},
                              delta=np.empty(model.dim, dtype=np.float32))
@@ -136,7 +163,7 @@ class FedringClient:
         if worker.task.train_config.proximal_mu > 0:
             global_params = [torch.from_numpy(np.array(base[n], dtype=np.float32))
                              for n in model.layout.names]
-        server_round = int(config.get("server-round", 0))
+        server_round = _int_setting(config, "server-round")
         seed = training_seed(worker.task.seed, server_round, pid)
         metrics = MetricRecord({wire.NUM_EXAMPLES: len(x)})
         if worker.task.train_config.dp_sgd:
@@ -146,25 +173,33 @@ class FedringClient:
             loss = train(model.module, x, y, worker.task.train_config, seed=seed,
                          global_params=global_params)
         metrics["train_loss"] = loss
-        delta = worker.delta
-        for name, view, off, size in zip(model.layout.names,
-                                         model.layout.unflatten(model.flat_np).values(),
-                                         model.layout.offsets, model.layout.sizes, strict=True):
-            np.subtract(view.reshape(-1), base[name].reshape(-1), out=delta[off:off + size])
+        # In-process, the delta is written straight into the buffer its reply will carry.
+        delta = (worker.replies.delta(model.dim) if context.node_config.get(wire.IN_PROCESS_KEY)
+                 else worker.delta)
+        for name, span in worker.spans:
+            np.subtract(model.flat_np[span], base[name].reshape(-1), out=delta[span])
         if worker.task.local_dp is not None:
             clip, z = worker.task.local_dp
             delta, _ = local_dp_update(delta, clip, z, noise_rng())
+        tampered = worker.task.tamper(pid, delta, seed)  # simulated attackers only
+        if tampered:
+            metrics[ATTACKER_METRIC] = 1
         return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
-                           model=model, partition_id=pid, noised=worker.task.local_dp is not None)
+                           model=model, partition_id=pid,
+                           noised=worker.task.local_dp is not None or tampered)
 
     def train(self, msg: Message, context: Context) -> Message:
         update = self.local_update(msg, context)
         config, metrics, delta, model = update.config, update.metrics, update.delta, update.model
         pid, base = update.partition_id, update.base
-        if config.get(wire.REPLY_KEY) == "delta":
-            metrics[wire.BASE_VERSION_METRIC] = int(config.get(wire.VERSION_KEY, 0))
+        if config.get(wire.REPLY_KEY, "delta") != "delta":
+            raise wire.WireError(f"config '{wire.REPLY_KEY}' must be 'delta' when given, got "
+                                 f"{config[wire.REPLY_KEY]!r}")
+        if wire.REPLY_KEY in config:
+            metrics[wire.BASE_VERSION_METRIC] = _int_setting(config, wire.VERSION_KEY)
             metrics[wire.PARTITION_METRIC] = pid
-            content = RecordDict({"delta": wire.delta_record(delta), "metrics": metrics})
+            name, record = reply_record(config, delta, context.state, pid)  # compressed?
+            content = RecordDict({name: record, "metrics": metrics})
         else:  # Flower's convention: full weights (base + the possibly noised delta)
             weights = model.layout.flatten(base) + delta if update.noised else model.flat_np
             content = RecordDict({"arrays": wire.model_record(model.layout, weights),
@@ -186,11 +221,29 @@ class FedringClient:
 def make_client_app(task_factory: TaskFactory, resolve_spec: SpecResolver) -> ClientApp:
     """A Flower ClientApp running fedring's local training for the injected task."""
     client = FedringClient(task_factory, resolve_spec)
-    app = ClientApp()
+    app = ClientApp(mods=[refuse_unusable_messages])
     app.train()(client.train)
     app.evaluate()(client.evaluate)
     register_secagg(app, client.local_update)
     return app
+
+
+def _int_setting(config: ConfigRecord, key: str) -> int:
+    value = config.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise wire.WireError(f"config '{key}' must be an integer, got {value!r}")
+    return value
+
+
+def refuse_unusable_messages(msg: Message, context: Context,
+                             call_next: ClientAppCallable) -> Message:
+    """A Flower mod: a server message the client cannot use (a missing or malformed record,
+    a protocol violation) gets an error reply naming the problem; the app does not fail."""
+    try:
+        return call_next(msg, context)
+    except (wire.WireError, ProtocolError) as exc:
+        reason = f"{msg.metadata.message_type} message refused: {exc}"
+        return Message(Error(MESSAGE_REFUSED, reason), reply_to=msg)
 
 
 def task_spec_json(spec: Mapping[str, Any]) -> str:

@@ -10,6 +10,16 @@ One round is four message round trips, all answered by the same ClientApp:
 - ``query.secagg`` with PUBLIC_KEYS -> SHARE_KEYS, with FORWARDED_SHARES -> MASKED_INPUT
   (the masked vector, in an ArrayRecord of bytes), with UNMASK_REQUEST -> UNMASK_RESPONSE.
 
+Secure FedBuff splits the first step in two: ``train.secagg_hold`` trains and keeps the
+delta in the state, answering only "ready"; once the server has a buffer of ready
+clients, ``query.secagg`` with SETUP (and the staleness factor s(tau) in ``factor``)
+starts that buffer's session on the held delta, which is scaled by s(tau) on the client.
+
+With differential privacy the SETUP record adds ``dp-clip`` (central DP: the client
+clips its delta to that L2 norm, the server noises the sum) or ``dp-plan`` (distributed
+DP: the client sends :func:`encode_distributed`'s noisy integer vector instead of the
+quantized one, so the server only ever decodes a noisy sum).
+
 Between messages the session (private keys included) and the quantized input live
 only in the node's ``Context.state``, so the client also works where every message
 starts a fresh process (Flower deployment). Small protocol messages travel as bytes
@@ -20,7 +30,9 @@ chunks without protobuf-encoding the payload.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +40,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from client import wire
+from privacy.dp import DistributedDPPlan, clip_l2, distributed_encode
+from privacy.dp.distributed import clip_l2_exact
 from privacy.secagg import ProtocolError, SecAggClient, Stage
 from privacy.secagg.messages import decode_setup, read_header
 from privacy.secagg.params import word_dtype
@@ -35,6 +49,10 @@ from privacy.secagg.quantize import max_level
 from privacy.secagg.stages import MsgType
 
 SECAGG_ACTION = "secagg"  # message types "train.secagg" and "query.secagg"
+HOLD_ACTION = "secagg_hold"  # "train.secagg_hold": train, hold the delta, answer READY
+READY = "ready"  # the hold reply's entry: the model version the client trained from
+HELD = "fedring.secagg.held"  # Context.state: the held delta until its buffer's SETUP
+FACTOR = "factor"  # SETUP of a held delta: the staleness factor s(tau) in (0, 1]
 RECORD = "secagg"  # ConfigRecord of protocol bytes (and, in the first message, settings)
 MSG = "msg"
 VECTOR_RECORD = "secagg-vector"  # ArrayRecord holding the MASKED_INPUT message
@@ -45,6 +63,9 @@ INPUT = "fedring.secagg.input"  # Context.state: the quantized input until it is
 RUN, ROUND, SCALE, CLIP, MAX_WEIGHT, WEIGHT_BY = ("run", "round", "scale", "clip-range",
                                                  "max-weight", "weight-by")
 ROUNDING, DROPOUT, DROPOUT_STAGE = "rounding", "dropout", "dropout-stage"
+# Optional DP settings: central DP's clip norm (the client clips, the server noises the sum),
+# or distributed DP's round plan as JSON (privacy.dp.DistributedDPPlan + the rotation seed).
+DP_CLIP, DP_PLAN, ROTATION_SEED = "dp-clip", "dp-plan", "rotation_seed"
 
 STAGE_NAMES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 #: The stage a client's reply to each server message belongs to.
@@ -64,6 +85,14 @@ class HasDelta(Protocol):
 
 
 LocalUpdateFn = Callable[[Message, Context], HasDelta]
+
+
+@dataclass
+class _Held:
+    """A held delta (secure FedBuff) in the shape of a local update."""
+
+    delta: np.ndarray
+    metrics: MetricRecord
 
 
 def stage_of(name: str) -> Stage:
@@ -92,13 +121,15 @@ def dropout_stage(seed: int, rnd: int, partition_id: int, dropout: float,
 
 def quantize_into(delta: np.ndarray, weight: float, *, clip_range: float, scale: float,
                   max_weight: float, rounding: str, out: np.ndarray,
-                  rng: np.random.Generator | None = None) -> np.ndarray:
+                  rng: np.random.Generator | None = None, factor: float = 1.0) -> np.ndarray:
     """The encoding of ``privacy.secagg.quantize_weighted``, chunk by chunk, into ``out``.
 
     ``out`` gets d+1 words: round(scale * (weight * clip(x) + max_weight * clip_range))
     per coordinate, then round(scale * weight). Working in cache-sized float64 chunks,
     rounding by truncating v + 1/2 (or v + U for stochastic rounding; v >= 0), makes it
-    about ten times faster than the whole-vector reference for d = 10^6.
+    about ten times faster than the whole-vector reference for d = 10^6. ``factor`` in
+    (0, 1] scales the clipped coordinates only (secure FedBuff's s(tau)): the sum then
+    decodes to sum(weight * factor * clip(x)) and sum(weight).
     """
     d = delta.size
     if out.shape != (d + 1,):
@@ -107,8 +138,10 @@ def quantize_into(delta: np.ndarray, weight: float, *, clip_range: float, scale:
         raise ValueError(f"weight must be in [0, {max_weight}], got {weight}")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if not 0 < factor <= 1:
+        raise ValueError(f"factor must be in (0, 1], got {factor}")
     level = max_level(clip_range, scale, max_weight)
-    a, b = weight * scale, max_weight * clip_range * scale
+    a, b = weight * factor * scale, max_weight * clip_range * scale
     x = delta.reshape(-1)
     buf = np.empty(min(d, CHUNK))
     noise = np.empty_like(buf) if rounding == "stochastic" else None
@@ -116,10 +149,14 @@ def quantize_into(delta: np.ndarray, weight: float, *, clip_range: float, scale:
     for start in range(0, d, CHUNK):
         stop = min(d, start + CHUNK)
         chunk, v = x[start:stop], buf[:stop - start]
-        if not (np.isfinite(chunk.max()) and np.isfinite(chunk.min())):  # NaN propagates
+        high, low = chunk.max(), chunk.min()
+        if not (np.isfinite(high) and np.isfinite(low)):  # NaN propagates
             raise ValueError("update has non-finite values")
-        np.clip(chunk, -clip_range, clip_range, out=v)
-        v *= a
+        if -clip_range <= low and high <= clip_range:  # nothing to clip: one pass fewer
+            np.multiply(chunk, a, out=v, dtype=np.float64)
+        else:
+            np.clip(chunk, -clip_range, clip_range, out=v)
+            v *= a
         if noise is None:
             v += b + 0.5  # v + 1/2 >= 0, so truncation below rounds to nearest
         else:  # floor(v + U) rounds up with probability frac(v): unbiased
@@ -144,6 +181,39 @@ def _settings(record: ConfigRecord) -> dict[str, Any]:
             raise ProtocolError(f"secagg setting '{key}' is missing or not a {kind.__name__}")
         out[key] = kind(value)
     return out
+
+
+def dp_settings(record: ConfigRecord) -> tuple[tuple[DistributedDPPlan, int] | None,
+                                                float | None]:
+    """The round's DP settings in a SETUP record: (distributed DP plan and rotation seed, or
+    None; central DP's clip norm, or None)."""
+    raw, clip = record.get(DP_PLAN), record.get(DP_CLIP)
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float)
+                             or not clip > 0):
+        raise ProtocolError(f"secagg setting '{DP_CLIP}' must be a number > 0, got {clip!r}")
+    if raw is None:
+        return None, None if clip is None else float(clip)
+    try:
+        values = json.loads(raw) if isinstance(raw, str) else None
+        seed = values.pop(ROTATION_SEED) if isinstance(values, dict) else None
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"'{ROTATION_SEED}' must be an integer >= 0")
+        plan = DistributedDPPlan.from_dict(values)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"secagg setting '{DP_PLAN}' is malformed: {exc}") from None
+    return (plan, seed), None
+
+
+def encode_distributed(delta: np.ndarray, plan: DistributedDPPlan, rotation_seed: int, *,
+                       factor: float = 1.0) -> np.ndarray:
+    """Distributed DP on the client: clip to the plan's L2 norm (times ``factor``), rotate,
+    scale, round, add this client's share of discrete Gaussian or Skellam noise, and
+    reduce mod 2^bits into SecAgg words. The rounding and the noise draw from the
+    operating system's entropy, never from a seed the server knows."""
+    if factor != 1.0:  # factor * clip(delta): still within the clip norm
+        delta = clip_l2_exact(delta, plan.clip)[0] * factor
+    encoded, _ = distributed_encode(delta, plan, np.random.default_rng(), rotation_seed)
+    return np.mod(encoded, 1 << plan.bits).astype(word_dtype(plan.bits))
 
 
 def _payload(msg: Message) -> bytes:
@@ -174,26 +244,68 @@ class SecureClient:
         """Train, quantize the weighted delta, keep it in the state; answer SETUP."""
         for key in (STATE, INPUT):  # a new round replaces any unfinished session
             context.state.pop(key, None)
-        payload = _payload(msg)
-        s = _settings(msg.content[RECORD])
         config = msg.content.get("config")
         seed = int(config.get(wire.SEED_KEY, 0)) if isinstance(config, ConfigRecord) else 0
+        return self._setup(msg, context, seed, lambda: self._local_update(msg, context))
+
+    def hold(self, msg: Message, context: Context) -> Message:
+        """Secure FedBuff: train, keep the delta until the buffer's SETUP; answer READY."""
+        for key in (STATE, INPUT, HELD):
+            context.state.pop(key, None)
+        update = self._local_update(msg, context)
+        config = msg.content.get("config")
+        config = config if isinstance(config, ConfigRecord) else ConfigRecord()
+        meta = np.array([int(update.metrics[wire.NUM_EXAMPLES]),
+                         int(config.get(wire.SEED_KEY, 0))], dtype=np.int64)
+        context.state[HELD] = ArrayRecord({"delta": wire.npy_array(update.delta),
+                                           "meta": wire.npy_array(meta)})
+        ready = ConfigRecord({READY: int(config.get(wire.VERSION_KEY, 0))})
+        return Message(RecordDict({RECORD: ready}), reply_to=msg)
+
+    def _setup_held(self, msg: Message, context: Context) -> Message:
+        """Secure FedBuff: answer the buffer's SETUP with the held delta times s(tau)."""
+        held = context.state.get(HELD)
+        if not isinstance(held, ArrayRecord):
+            raise ProtocolError("SETUP for a held update, but this client holds none")
+        for key in (STATE, INPUT, HELD):  # the held delta is used once
+            context.state.pop(key, None)
+        factor = msg.content[RECORD].get(FACTOR)
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+            raise ProtocolError(f"secagg setting '{FACTOR}' must be in (0, 1], got {factor!r}")
+        examples, seed = (int(x) for x in wire.npy_view(held["meta"]))
+        update = _Held(wire.npy_view(held["delta"]), MetricRecord({wire.NUM_EXAMPLES: examples}))
+        return self._setup(msg, context, seed, lambda: update, float(factor))
+
+    def _setup(self, msg: Message, context: Context, seed: int,
+               local_update: Callable[[], HasDelta], factor: float = 1.0) -> Message:
+        """Answer SETUP: quantize the weighted delta of ``local_update``, keep it, reply."""
+        payload = _payload(msg)
+        s = _settings(msg.content[RECORD])
         pid = _partition(context)
         drop = dropout_stage(seed, s[ROUND], pid, s[DROPOUT], s[DROPOUT_STAGE])
         if drop is Stage.ADVERTISE_KEYS:
             raise InjectedDropout("simulated dropout at stage advertise_keys")
         setup = decode_setup(payload)[1]
         session = SecAggClient(int(context.node_id), run_id=s[RUN], round_id=s[ROUND])
-        update = self._local_update(msg, context)
-        if setup.dim != update.delta.size + 1:
-            raise ProtocolError(f"SETUP announces {setup.dim} words, the update has "
-                                f"{update.delta.size} coordinates plus the weight")
-        examples = float(update.metrics[wire.NUM_EXAMPLES])
-        weight = 1.0 if s[WEIGHT_BY] == "uniform" else min(examples, s[MAX_WEIGHT])
-        quantized = np.empty(setup.dim, dtype=word_dtype(setup.bits))
-        quantize_into(update.delta, weight, clip_range=s[CLIP], scale=s[SCALE],
-                      max_weight=s[MAX_WEIGHT], rounding=s[ROUNDING], out=quantized,
-                      rng=np.random.default_rng(_seed(seed, s[ROUND], pid)))
+        update = local_update()
+        distributed, dp_clip = dp_settings(msg.content[RECORD])
+        if distributed is not None:  # distributed DP: integer noise, then masking
+            plan, rotation_seed = distributed
+            if setup.dim != plan.padded_dim or setup.bits != plan.bits:
+                raise ProtocolError(f"SETUP announces {setup.dim} words of {setup.bits} bits, "
+                                    f"the DP plan {plan.padded_dim} of {plan.bits}")
+            quantized = encode_distributed(update.delta, plan, rotation_seed, factor=factor)
+        else:
+            if setup.dim != update.delta.size + 1:
+                raise ProtocolError(f"SETUP announces {setup.dim} words, the update has "
+                                    f"{update.delta.size} coordinates plus the weight")
+            examples = float(update.metrics[wire.NUM_EXAMPLES])
+            weight = 1.0 if s[WEIGHT_BY] == "uniform" else min(examples, s[MAX_WEIGHT])
+            delta = update.delta if dp_clip is None else clip_l2(update.delta, dp_clip)[0]
+            quantized = np.empty(setup.dim, dtype=word_dtype(setup.bits))
+            quantize_into(delta, weight, clip_range=s[CLIP], scale=s[SCALE],
+                          max_weight=s[MAX_WEIGHT], rounding=s[ROUNDING], out=quantized,
+                          rng=np.random.default_rng(_seed(seed, s[ROUND], pid)), factor=factor)
         reply = session.handle(payload)
         context.state[INPUT] = ArrayRecord({"input": wire.npy_array(quantized)})
         self._save(context, session, s, seed, pid, drop)
@@ -203,6 +315,8 @@ class SecureClient:
         """Answer PUBLIC_KEYS, FORWARDED_SHARES or UNMASK_REQUEST from the stored session."""
         payload = _payload(msg)
         kind = read_header(payload).kind
+        if kind is MsgType.SETUP:  # secure FedBuff: a buffer's session for a held delta
+            return self._setup_held(msg, context)
         stored = context.state.get(STATE)
         if not isinstance(stored, ConfigRecord) or kind not in REPLY_STAGE:
             raise ProtocolError(f"no secure-aggregation session for a {kind.name} message")
@@ -238,8 +352,10 @@ class SecureClient:
 
 
 def register_secagg(app: ClientApp, local_update: LocalUpdateFn) -> SecureClient:
-    """Route ``train.secagg`` and ``query.secagg`` messages of ``app`` to a SecureClient."""
+    """Route ``train.secagg``, ``train.secagg_hold`` and ``query.secagg`` messages of ``app``
+    to a SecureClient."""
     client = SecureClient(local_update)
     app.train(SECAGG_ACTION)(client.train)
+    app.train(HOLD_ACTION)(client.hold)
     app.query(SECAGG_ACTION)(client.query)
     return client

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from client.training import TrainConfig
+
+ATTACKER_METRIC = "attacker"  # reply metric: 1 when this client is a simulated attacker
 
 
 class ClientTask(Protocol):
@@ -23,6 +26,11 @@ class ClientTask(Protocol):
 
     def partition(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (inputs, labels) of one client's partition."""
+        ...
+
+    def tamper(self, partition_id: int, delta: np.ndarray, seed: int) -> bool:
+        """Change the delta a simulated attacker sends, in place (``seed``: any randomness);
+        True when this client is one. Tasks without attacks return False."""
         ...
 
 

@@ -37,7 +37,7 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
 
     With ``resume`` (a run id in the store) the run continues from its last checkpoint.
 
-    The ``[driver]`` section picks the driver (sync, FedAsync or FedBuff); ``clock`` is
+    The ``[driver]`` section picks the driver (sync, FedAsync, FedBuff or cross-silo); ``clock`` is
     a simulated clock in simulations, else the wall clock is used.
     """
     dp_config = DPConfig.from_dict(config.get("dp", {}))
@@ -48,7 +48,12 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     store = Store(store_url)
     try:
         kind = config.get("driver", {}).get("kind", "sync")
-        driver_cls = SyncDriver if kind == "sync" else async_driver_class(kind)
+        if kind == "cross_silo":  # the silos aggregate among themselves over a ring
+            from server.cross_silo import CrossSiloDriver
+
+            driver_cls: type = CrossSiloDriver
+        else:
+            driver_cls = SyncDriver if kind == "sync" else async_driver_class(kind)
         driver = driver_cls(grid, config=config, task=task, pipeline=pipeline, store=store,
                             reporter=reporter or LogReporter(), dp=dp, clock=clock)
         driver.secure = secure

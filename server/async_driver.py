@@ -12,6 +12,11 @@ at some version) at once, and each reply is processed as it arrives, with stalen
   gives the paper's ``sum_i s(tau_i) delta_i / K``) and ``eta_g = aggregation.server_lr``
   through the server optimizer. A client adds at most one update to a buffer.
 
+With ``[secagg] enabled`` FedBuff's buffers are secure (``server.secure_buffer``): a
+client keeps its update and reports "ready", and each buffer of K ready clients is
+summed under SecAgg+, so the server never sees a single update. The secure stages take
+no simulated time: the simulated clock counts training only.
+
 Both run on any Grid and on either clock (see ``server.clock``). On a simulated clock
 events are processed in time order, ties by node id, and new tasks are handed out once
 every event of that instant is processed. Every applied aggregate is one store round
@@ -30,12 +35,14 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from aggregation import Pipeline, Update, Verdict, Weight, WeightedMean
-from client import wire
+from aggregation import Pipeline, Update, Validate, Verdict, Weight, WeightedMean
+from client import secure_client, wire
 from server.clock import Clock
 from server.dp import DPController
 from server.replies import decode_train_reply
 from server.reporter import Reporter
+from server.secure_buffer import SecureBuffer
+from server.secure_round import session_id
 from server.store import Store, UpdateRecord
 from server.sync_driver import SyncDriver, _record, wait_for_nodes
 from server.task import ServerTask
@@ -177,9 +184,8 @@ class InFlight:
 class Buffer:
     """Updates in, one aggregate out: the plain buffer sums them in the clear.
 
-    This is the seam for secure FedBuff: a secure buffer would collect ``size`` masked
-    updates and unmask only their sum, offering the same ``submit``/``reject``/``finish``
-    and counts (with a linear combine and the weights applied on the clients).
+    Its secure counterpart is ``server.secure_buffer.SecureBuffer``, with the same
+    ``full``, ``members``, ``total_weight`` and ``count``.
     """
 
     def __init__(self, pipeline: Pipeline, *, dim: int, version: int, size: int,
@@ -196,6 +202,14 @@ class Buffer:
     @property
     def full(self) -> bool:
         return self.agg.num_accepted >= self.size
+
+    @property
+    def total_weight(self) -> float:
+        return self.agg.total_weight
+
+    @property
+    def count(self) -> int:
+        return self.agg.num_accepted
 
     def submit(self, update: Update) -> Verdict:
         verdict = self.agg.submit(update)
@@ -242,7 +256,9 @@ class AsyncDriver(SyncDriver):
         self._ready: deque[Event] = deque()
         self._rng = np.random.default_rng([self.seed, 0xA5])
         self._bases: dict[int, np.ndarray] = {}  # model versions that tasks started from
-        self._buffer: Buffer | None = None
+        self._buffer: Buffer | SecureBuffer | None = None
+        validate = next((s for s in pipeline.update_stages if isinstance(s, Validate)), None)
+        self.max_staleness = validate.max_staleness if validate is not None else None
         self._records: list[UpdateRecord] = []
         self._losses: list[tuple[float, float]] = []
         self._staleness: list[int] = []
@@ -269,7 +285,8 @@ class AsyncDriver(SyncDriver):
                                wire.TASK_KEY: self.task_json, wire.SEED_KEY: self.seed})
         content = RecordDict({"arrays": wire.model_record(self.layout, state.params),
                               "config": config})
-        self.inflight.push([Message(content, node, "train", group_id=str(state.version))
+        kind = "train" if self.secure is None else f"train.{secure_client.HOLD_ACTION}"
+        self.inflight.push([Message(content, node, kind, group_id=str(state.version))
                             for node in chosen], state.version)
 
     def _wait(self, nodes: list[int], since: float) -> list[int]:
@@ -305,7 +322,14 @@ class AsyncDriver(SyncDriver):
                                               reason=ev.reason, base_version=task.base_version,
                                               staleness=self.state.version - task.base_version))
             return
+        if isinstance(buffer, SecureBuffer):
+            self._offer(buffer, ev, rnd)
+            return
         try:
+            sender = ev.reply.metadata.src_node_id
+            if sender != task.node:
+                raise wire.WireError(f"reply to the message sent to node {task.node} says it "
+                                     f"comes from node {sender}")
             update = decode_train_reply(ev.reply, client_id=client_id, layout=self.layout,
                                         base_params=self._bases[task.base_version],
                                         version=task.base_version)
@@ -325,6 +349,39 @@ class AsyncDriver(SyncDriver):
                                   f"{verdict.reason}")
         self._records.append(_record(verdict, update.metrics))
 
+    def _offer(self, buffer: SecureBuffer, ev: Event, rnd: int) -> None:
+        """Secure FedBuff: a ready client joins the buffer; its update stays with it."""
+        task = ev.task
+        assert ev.reply is not None
+        record = buffer.offer(task.node, task.base_version, ev.reply)
+        if record is None:
+            self._staleness.append(self.state.version - task.base_version)
+            self.reporter.client_done(rnd, len(buffer.ready), self.size)
+            return
+        self._records.append(record)
+        self.reporter.message(f"version {self.state.version}: rejected client {task.node}: "
+                              f"{record.reason}")
+
+    def _secure_step(self, buffer: SecureBuffer, run_id: str, rnd: int) -> np.ndarray | None:
+        """Secure FedBuff: the buffer's secure sum as FedBuff's aggregate (None: aborted)."""
+        step = buffer.finish(self.grid, dim=self.layout.dim, session=session_id(run_id),
+                             rnd=rnd, timeout=self.fed.round_timeout_s, poll=self.fed.poll_s)
+        self._records += buffer.records()
+        if step is None:
+            outcome = buffer.outcome
+            why = outcome.abort_reason if outcome is not None else None
+            self.reporter.message(f"round {rnd}: secure aggregation of the buffer failed: "
+                                  f"{why or 'no weight'}; the model is unchanged")
+        return step
+
+    def _open_buffer(self) -> Buffer | SecureBuffer:
+        version = self.state.version
+        if self.secure is not None:
+            return SecureBuffer(self.secure, version=version, size=self.size,
+                                staleness=self.staleness_fn, max_staleness=self.max_staleness)
+        return Buffer(self.pipeline, dim=self.layout.dim, version=version, size=self.size,
+                      rescale=not self.mixing)
+
     def _step(self, buffer: Buffer) -> np.ndarray | None:
         """The step to apply: the buffer's aggregate, or FedAsync's mixing step."""
         delta = buffer.finish()
@@ -341,16 +398,13 @@ class AsyncDriver(SyncDriver):
 
     def run_round(self, run_id: str, rnd: int) -> dict[str, float]:
         """Process replies until one aggregate is applied; record it as round ``rnd``."""
-        if self.secure is not None:
-            raise ValueError("secure aggregation of FedBuff buffers is not integrated yet")
         t0 = time.perf_counter()
         state = self.state
         nodes = wait_for_nodes(self.grid, self.fed)
         self.clock.bind(nodes)
         self._resume_clock()
         if self._buffer is None:
-            self._buffer = Buffer(self.pipeline, dim=self.layout.dim, version=state.version,
-                                  size=self.size, rescale=not self.mixing)
+            self._buffer = self._open_buffer()
             self.reporter.round_started(rnd, self.size)
         buffer = self._buffer
         idle_since = time.monotonic()
@@ -365,14 +419,16 @@ class AsyncDriver(SyncDriver):
                 self._ready.extend(events)
             self._process(self._ready.popleft(), rnd)
 
-        try:
-            step = self._step(buffer)
-        except ValueError as exc:  # e.g. a robust combine refusing the buffer
-            self.reporter.message(f"round {rnd}: aggregation failed: {exc}")
-            step = None
-        state.params = self.pipeline.apply(state.params, step,
-                                           total_weight=buffer.agg.total_weight,
-                                           count=buffer.agg.num_accepted)
+        if isinstance(buffer, SecureBuffer):
+            step = self._secure_step(buffer, run_id, rnd)
+        else:
+            try:
+                step = self._step(buffer)
+            except ValueError as exc:  # e.g. a robust combine refusing the buffer
+                self.reporter.message(f"round {rnd}: aggregation failed: {exc}")
+                step = None
+        state.params = self.pipeline.apply(state.params, step, total_weight=buffer.total_weight,
+                                           count=buffer.count)
         if step is not None:
             state.version += 1
         state.round = rnd
@@ -389,14 +445,18 @@ class AsyncDriver(SyncDriver):
         records = self._records
         counts = {fate: sum(r.fate == fate for r in records)
                   for fate in ("accepted", "rejected", "dropped")}
-        self.store.record_round(run_id, round=rnd, model_version=state.version,
-                                status="completed" if step is not None else "failed",
+        secure = buffer if isinstance(buffer, SecureBuffer) else None
+        status = ("completed" if step is not None else
+                  "aborted" if secure is not None and secure.aborted else "failed")
+        self.store.record_round(run_id, round=rnd, model_version=state.version, status=status,
                                 num_sampled=len(records),
                                 num_replies=len(records) - counts["dropped"],
                                 num_accepted=counts["accepted"],
                                 num_rejected=counts["rejected"], num_dropped=counts["dropped"],
                                 metrics=metrics, wall_s=time.perf_counter() - t0,
                                 updates=records)
+        if secure is not None:
+            secure.save(self.store, run_id, rnd)
         self._records, self._losses, self._staleness = [], [], []
         state.history.append(metrics)
         if self.fed.checkpoint_every and (rnd % self.fed.checkpoint_every == 0

@@ -9,7 +9,15 @@ the aggregation pipeline:
   ``CentralNoise`` adds N(0, (z C)^2) to the sum and divides by the expected number
   of clients per round (a public count, so the noise scale never depends on data);
 - local DP: each client clips and noises its own delta (see ``client.app``); the
-  server only accounts, per client, for the rounds it could have taken part in.
+  server only accounts, per client, for the rounds it could have taken part in;
+- central DP under secure aggregation: each client clips its own delta to C (the server
+  never sees one), the secure sum is noised by ``CentralNoise`` as above;
+- distributed DP (secure aggregation only): :meth:`DPController.plan_distributed` fixes
+  the integer scale and noise for the model's size and ``[secagg] bits`` when the run
+  starts; each client adds its share of discrete Gaussian or Skellam noise before
+  masking (``client.secure_client``), so only the noisy sum is ever decoded. Each round
+  is charged the plan's effective multiplier for the clients whose noise is in the sum
+  (see ``privacy.dp.distributed`` for the accounting approximation).
 
 The noise generator is seeded from the operating system, never from the run seed:
 DP noise that can be replayed from public values protects nothing.
@@ -23,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aggregation import Candidate, PostStage, UpdateStage
-from privacy.dp import AdaptiveClip, DPConfig, central_dp_mean
+from privacy.dp import AdaptiveClip, DistributedDPPlan, DPConfig, central_dp_mean
+from privacy.dp.distributed import MAX_BITS, plan_distributed_dp
 
 if TYPE_CHECKING:
     from server.config import FederationConfig
@@ -61,6 +70,9 @@ class DPController:
         # computed now so an impossible split of z fails when the run is configured
         self.update_noise_multiplier = config.update_noise_multiplier(clients_per_round)
         self._below = 0
+        self.plan: DistributedDPPlan | None = None  # distributed DP, once the model is known
+        # the multiplier a full round is charged (distributed DP: the plan's effective one)
+        self.round_noise_multiplier = config.noise_multiplier
         if config.mode == "local":
             # each client's own release: a Gaussian mechanism per round it takes part in
             self.accountant = PrivacyAccountant(config.noise_multiplier, delta=config.delta,
@@ -87,22 +99,56 @@ class DPController:
 
     def next_round_exceeds_budget(self) -> float | None:
         """The epsilon the next round would reach, if that is over the budget; else None."""
+        return self.release_exceeds_budget(self.round_noise_multiplier)
+
+    def release_exceeds_budget(self, noise_multiplier: float) -> float | None:
+        """The epsilon one more round at ``noise_multiplier`` would reach, if over budget."""
         budget = self.config.epsilon_budget
         if budget is None:
             return None
-        after = self.accountant.epsilon_after(1)
+        after = self.accountant.epsilon_after(1, noise_multiplier)
         return after if after > budget else None
 
-    def end_round(self, released: bool) -> RoundPrivacy:
-        """Account a released aggregate and move the adaptive clip; returns the ledger entry."""
+    def plan_distributed(self, *, dim: int, bits: int, max_clients: int) -> DistributedDPPlan:
+        """Fix distributed DP's scale and noise for a ``dim``-parameter model summed over
+        at most ``max_clients`` clients in Z_(2^bits); ValueError naming ``[secagg] bits``
+        when the noisy sum cannot fit (checked when the run starts)."""
+        if self.config.mode != "distributed":
+            raise ValueError("plan_distributed needs dp.mode = 'distributed'")
+        where = f"for {max_clients} clients per round and a {dim}-parameter model"
+        if bits > MAX_BITS:
+            raise ValueError(f"secagg.bits = {bits} is too large for distributed DP {where}: "
+                             f"its integer sums are decoded exactly only up to {MAX_BITS} "
+                             f"bits; set secagg.bits <= {MAX_BITS}")
+        try:
+            plan = plan_distributed_dp(
+                max_clients, dim, float(self.config.clip), self.config.noise_multiplier, bits,
+                str(self.config.mechanism), k_stddevs=self.config.k_stddevs,
+                rotate=self.config.rotation)
+        except ValueError as exc:
+            raise ValueError(f"secagg.bits = {bits} cannot hold distributed DP's noisy sum "
+                             f"{where} without wrapping around 2^{bits}: {exc} (the bits "
+                             "are secagg.bits; the clients per round come from "
+                             "federation.clients and federation.sample_fraction)") from None
+        self.plan = plan
+        self.round_noise_multiplier = plan.effective_noise_multiplier
+        return plan
+
+    def end_round(self, released: bool, noise_multiplier: float | None = None) -> RoundPrivacy:
+        """Account a released aggregate and move the adaptive clip; returns the ledger entry.
+
+        ``noise_multiplier`` is what this round is charged when it differs from a full
+        round's (distributed DP with dropouts); default :attr:`round_noise_multiplier`.
+        """
         clip = self.clip
+        z = self.round_noise_multiplier if noise_multiplier is None else noise_multiplier
         if released:
-            self.accountant.step()
+            self.accountant.step(noise_multiplier=z)
             if self.adaptive is not None:
                 self.adaptive.update(self._below, self.clients_per_round, self.rng)
         self._below = 0
         return RoundPrivacy(epsilon=self.epsilon(), delta=self.config.delta,
-                            noise_multiplier=self.config.noise_multiplier, clip=clip,
+                            noise_multiplier=z, clip=clip,
                             sampling_rate=self.accountant.sampling_rate)
 
     def epsilon(self) -> float:

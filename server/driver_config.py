@@ -1,6 +1,6 @@
 """The ``[driver]`` and ``[clients]`` scenario sections, validated.
 
-``[driver]`` picks the round driver (sync, FedAsync or FedBuff) and its straggler
+``[driver]`` picks the round driver (sync, FedAsync, FedBuff or cross-silo) and its straggler
 handling; ``[clients]`` describes simulated client speed and availability. The staleness
 keys exist in ``[aggregation]`` too (its pipeline applies them): ``merge_staleness``
 makes the two sections agree before they are validated.
@@ -14,9 +14,13 @@ from typing import Any
 
 from aggregation import make_staleness
 
-DRIVER_KINDS = ("sync", "fedasync", "fedbuff")
+DRIVER_KINDS = ("sync", "fedasync", "fedbuff", "cross_silo")
 LATE_POLICIES = ("drop", "carry")
 STALENESS_KEYS = ("staleness", "staleness_a", "staleness_b", "max_staleness")
+FEDASYNC_SECAGG = ("driver.kind 'fedasync' applies each update on its own, and a single "
+                   "update cannot be hidden in a sum: with secagg.enabled = true use "
+                   "driver.kind 'fedbuff' (one secure sum per buffer of driver.buffer_size "
+                   "updates) or 'sync'")
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class DriverConfig:
 
     @property
     def is_async(self) -> bool:
-        return self.kind != "sync"
+        return self.kind in ("fedasync", "fedbuff")
 
     def concurrency_for(self, clients_per_round: int) -> int:
         """Clients training at once: the configured limit, else the clients per round."""
@@ -177,9 +181,8 @@ def check_driver(config: Mapping[str, Any]) -> None:
     if driver.is_async and config.get("dp", {}).get("mode", "off") != "off":
         raise ValueError(f"driver.kind '{driver.kind}' cannot run with [dp]: the privacy "
                          "accountant assumes synchronous rounds")
-    if driver.is_async and config.get("secagg", {}).get("enabled"):
-        raise ValueError(f"driver.kind '{driver.kind}' cannot run with [secagg] yet: secure "
-                         "FedBuff (a secure sum per buffer) is not integrated")
+    if driver.kind == "fedasync" and config.get("secagg", {}).get("enabled"):
+        raise ValueError(FEDASYNC_SECAGG)
     if driver.late_policy == "carry" and driver.is_async:
         raise ValueError("driver.late_policy 'carry' is for the sync driver; the async "
                          "drivers take every update that arrives")

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from aggregation import Layout, Update
+from aggregation.compression import RoundCodec
 from client import wire
+from client.compression import RECORD
+
+_INT64_MAX = 2**63 - 1
 
 
 def _count(value: object) -> int:
@@ -16,17 +22,59 @@ def _count(value: object) -> int:
         raise wire.WireError(f"num-examples must be a positive integer, got {value!r}")
     if value <= 0:
         raise wire.WireError(f"num-examples must be a positive integer, got {value!r}")
+    if value > _INT64_MAX:
+        raise wire.WireError(f"num-examples {value!r} does not fit an int64")
     return int(value)
 
 
+def _scalar_metrics(metrics: MetricRecord) -> dict[str, float]:
+    """The reply's scalar metrics as floats; one that is not a finite number is refused
+    (it could not be stored, nor averaged)."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float64
+            number = math.inf
+        if not math.isfinite(number):
+            raise wire.WireError(f"metric '{key}' is not a finite number: {repr(value)[:40]}")
+        out[key] = number
+    return out
+
+
+def decode_compressed(record: object, codec: RoundCodec | None) -> np.ndarray:
+    """The dense delta of a "compressed" reply record, checked against the round's codec."""
+    if codec is None:
+        raise wire.WireError("reply is compressed, but this run does not compress updates")
+    if not isinstance(record, ArrayRecord):
+        raise wire.WireError(f"'{RECORD}' is a {type(record).__name__}, expected an ArrayRecord")
+    if set(record.keys()) != set(codec.names):
+        raise wire.WireError(f"compressed reply has arrays {sorted(record.keys())}, expected "
+                             f"{sorted(codec.names)} ({codec.config.kind})")
+    arrays = {name: wire.npy_view(record[name]) for name in codec.names}
+    try:
+        return codec.decode(arrays)
+    except ValueError as exc:
+        raise wire.WireError(f"malformed compressed update: {exc}") from exc
+
+
 def decode_train_reply(reply: Message, *, client_id: str, layout: Layout,
-                       base_params: np.ndarray, version: int) -> Update:
+                       base_params: np.ndarray, version: int,
+                       codec: RoundCodec | None = None) -> Update:
     """A fedring delta reply, or a stock Flower reply of full weights turned into a delta.
 
-    Raises ``wire.WireError`` with the reason when the reply cannot be decoded.
+    ``version`` is the model version this client was sent; a delta reply must say it
+    trained from that version. ``codec``: the round's compression, when the server asked
+    for compressed deltas (a dense delta is accepted too). Raises ``wire.WireError`` with
+    the reason when the reply cannot be decoded.
     """
     if reply.has_error():
         raise wire.WireError(f"client error {reply.error.code}: {reply.error.reason}")
+    kind = reply.metadata.message_type
+    if kind.split(".")[0] != "train":
+        raise wire.WireError(f"reply has message type {kind!r}, expected a 'train' reply")
     content = reply.content
     metric_records = [v for v in content.values() if isinstance(v, MetricRecord)]
     if len(metric_records) != 1:
@@ -35,13 +83,20 @@ def decode_train_reply(reply: Message, *, client_id: str, layout: Layout,
     if wire.NUM_EXAMPLES not in metrics:
         raise wire.WireError("reply metrics lack 'num-examples'")
     num_examples = _count(metrics[wire.NUM_EXAMPLES])
-    extra = {k: float(v) for k, v in metrics.items()
-             if isinstance(v, int | float) and not isinstance(v, bool)}
-    if "delta" in content:
-        delta = wire.read_delta(content["delta"])
+    extra = _scalar_metrics(metrics)
+    if "delta" in content or RECORD in content:
+        name = "delta" if "delta" in content else RECORD
+        unexpected = sorted(k for k, v in content.items() if k != name and v is not metrics)
+        if unexpected:
+            raise wire.WireError(f"{name} reply has unexpected records {unexpected}")
+        delta = (wire.read_delta(content["delta"]) if name == "delta"
+                 else decode_compressed(content[RECORD], codec))
         base = metrics.get(wire.BASE_VERSION_METRIC)
         if not isinstance(base, int) or isinstance(base, bool):
             raise wire.WireError("delta reply lacks an integer 'fedring.base-version'")
+        if base != version:
+            raise wire.WireError(f"reply says it trained from model version {base}, but the "
+                                 f"client was sent version {version}")
         return Update(client_id=client_id, delta=delta, num_examples=num_examples,
                       base_version=base, metrics=extra)
     array_records = [v for v in content.values() if isinstance(v, ArrayRecord)]

@@ -1,4 +1,5 @@
-"""The ``[secagg]`` scenario section: secure aggregation (SecAgg+) of each sync round.
+"""The ``[secagg]`` scenario section: secure aggregation (SecAgg+) of each sync round, or
+of each FedBuff buffer (``driver.kind = "fedbuff"``: ``server.secure_buffer``).
 
 With ``enabled = true`` every sampled client masks its clipped, weighted, quantized
 delta, and the server learns only the sum over the round's survivors (see
@@ -28,6 +29,7 @@ from typing import Any
 from client.secure_client import STAGE_NAMES
 from privacy.secagg import check_headroom, default_k, default_threshold, max_scale
 from privacy.secagg.quantize import max_level
+from server.driver_config import FEDASYNC_SECAGG
 
 ROUNDINGS = ("nearest", "stochastic")
 MIN_LEVEL_BITS = 8  # a client's coordinate must keep at least this many bits of resolution
@@ -134,14 +136,18 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
                          "set aggregation.max_norm = 0 (secagg.clip_range bounds each "
                          "coordinate instead)")
     mode = dict(config.get("dp", {})).get("mode", "off")
-    if mode != "off":
-        raise ValueError(f"dp.mode = '{mode}' together with secagg is not supported yet: "
-                         "turn one of them off")
+    if mode == "local":
+        raise ValueError("dp.mode = 'local' together with secagg is not supported: use "
+                         "dp.mode = 'distributed' (each client adds integer noise under the "
+                         "masks) or 'central' (clients clip, the server noises the sum)")
     driver = dict(config.get("driver", {}))
-    if driver.get("kind", "sync") != "sync" or driver.get("late_policy", "drop") != "drop":
-        raise ValueError(f"secagg runs in synchronous rounds that drop late clients; "
-                         f"driver.kind = '{driver.get('kind')}' with driver.late_policy = "
-                         f"'{driver.get('late_policy')}' is not supported with it")
+    kind = driver.get("kind", "sync")
+    if kind == "fedasync":
+        raise ValueError(FEDASYNC_SECAGG)
+    if kind not in ("sync", "fedbuff") or driver.get("late_policy", "drop") != "drop":
+        raise ValueError(f"secagg runs in synchronous rounds that drop late clients or in "
+                         f"FedBuff's buffers; driver.kind = '{kind}' with driver.late_policy "
+                         f"= '{driver.get('late_policy')}' is not supported with it")
     if dict(config.get("clients", {})).get("offline_fraction", 0):
         raise ValueError("secagg does not simulate clients going offline through "
                          "clients.offline_fraction; set it to 0 and use secagg.dropout")
@@ -150,10 +156,17 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
     if fed.get("sampling", "fixed") == "fixed":
         fraction, least = fed["sample_fraction"], fed["min_clients"]
         n = min(n, max(least, round(fraction * n)))
+    if kind == "fedbuff":  # one secure sum per buffer of buffer_size updates
+        n = int(driver.get("buffer_size", 10))
+        if n < 2:
+            raise ValueError(f"secure FedBuff sums each buffer under secagg, which needs at "
+                             f"least 2 updates: raise driver.buffer_size (got {n}) to >= 2")
     if n < 2:
         raise ValueError(f"secagg needs at least 2 clients per round, the federation samples "
                          f"{n}")
     cfg.graph(n)  # e.g. a threshold count above k
+    if mode == "distributed":  # no fixed-point encoding: the DP plan checks the headroom
+        return cfg
     cap = cfg.weight_cap(agg["weight_by"])
     try:
         scale = cfg.scale_for(n, agg["weight_by"])
@@ -169,3 +182,16 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
                          f"coordinate for {n} clients (fewer than 2^{MIN_LEVEL_BITS}): raise "
                          f"secagg.bits to >= {need}")
     return cfg
+
+
+def max_round_size(config: Mapping[str, Any]) -> int:
+    """The most clients one secure sum can hold: the clients sampled per round (all of
+    them under Poisson sampling), or FedBuff's ``buffer_size``."""
+    driver = dict(config.get("driver", {}))
+    if driver.get("kind", "sync") == "fedbuff":
+        return int(driver.get("buffer_size", 10))
+    fed = config["federation"]
+    n = int(fed["clients"])
+    if fed.get("sampling", "fixed") == "fixed":
+        n = min(n, max(int(fed["min_clients"]), round(fed["sample_fraction"] * n)))
+    return n

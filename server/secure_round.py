@@ -14,11 +14,20 @@ the survivors' quantized inputs, or aborts without asking for any share that cou
 reveal an input. The sum is decoded into sum(w_i * clip(delta_i)) and sum(w_i), and
 the mean (or the sum, for ``combine = "sum"``) goes through the pipeline's server
 optimizer like any other aggregate. An aborted round leaves the model unchanged.
+
+Differential privacy (``server.dp``): with central DP each client clips its delta to the
+clip norm and the pipeline noises the decoded sum; with distributed DP each client sends
+its clipped, rotated, scaled and rounded delta plus its share of integer noise (the
+round's plan travels in the SETUP record), the server decodes the noisy sum, and before
+asking for any unmasking share it checks that the survivors' noise keeps the run within
+its epsilon budget (else it aborts: the sum is never revealed).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,11 +39,13 @@ from flwr.serverapp import Grid
 
 from client import secure_client as sc
 from client import wire
+from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize_weighted
 from server.secagg_config import SecAggScenarioConfig
 from server.store import UpdateRecord
 
 if TYPE_CHECKING:
+    from server.dp import DPController
     from server.sync_driver import SyncDriver
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
@@ -70,6 +81,8 @@ class SecureRoundOutcome:
     masks_removed: int = 0  # masks the server expanded to unmask (self + dropped peers')
     stage_seconds: dict[str, float] = field(default_factory=dict)  # wall, with messaging
     server_seconds: dict[str, float] = field(default_factory=dict)  # inside SecAggServer
+    server_cpu_seconds: dict[str, float] = field(default_factory=dict)  # its CPU time
+    noise_multiplier: float | None = None  # distributed DP: what the decoded sum's noise is
 
     def update_records(self) -> list[UpdateRecord]:
         """One record per participant: accepted survivor, dropped or rejected (why)."""
@@ -128,37 +141,60 @@ def _exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: floa
         time.sleep(poll)
 
 
-def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord,
-                 settings: SecAggScenarioConfig, weight_by: str, dim: int, session: int,
-                 rnd: int, timeout: float, poll: float,
-                 on_reply: Callable[[int], None] | None = None) -> SecureRoundOutcome:
-    """Run the SecAgg+ stages with ``nodes``; the decoded weighted sum, or an abort."""
+def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
+                 config: ConfigRecord | None, settings: SecAggScenarioConfig, weight_by: str,
+                 dim: int, session: int, rnd: int, timeout: float, poll: float,
+                 on_reply: Callable[[int], None] | None = None,
+                 held: dict[int, float] | None = None,
+                 dp: DPController | None = None) -> SecureRoundOutcome:
+    """Run the SecAgg+ stages with ``nodes``; the decoded weighted sum, or an abort.
+
+    With ``held`` (secure FedBuff: node -> staleness factor s(tau)) the nodes already hold
+    their trained deltas: the first message is ``query.secagg`` with SETUP and the factor,
+    without a model, and the sum decodes to sum(w_i * s(tau_i) * clip(delta_i)).
+
+    With ``dp`` in central mode the clients clip to ``dp.clip``; in distributed mode
+    (``dp.plan`` set) they add integer noise and the outcome's ``weighted_sum`` is the
+    noisy sum of the clipped deltas, ``total_weight`` the number of survivors.
+    """
     participants = sorted(int(n) for n in nodes)
     outcome = SecureRoundOutcome(status="aborted", participants=participants)
+    plan: DistributedDPPlan | None = None
     try:
         k, t = settings.graph(len(participants))
-        scale = settings.scale_for(len(participants), weight_by)
+        if dp is not None and dp.plan is not None:
+            plan = dp.plan.for_clients(len(participants))
+        scale = 0.0 if plan is not None else settings.scale_for(len(participants), weight_by)
     except ValueError as exc:
         outcome.abort_reason = str(exc)
         return outcome
     cap = settings.weight_cap(weight_by)
     outcome.k, outcome.t, outcome.scale = k, t, scale
-    server = SecAggServer(SecAggConfig.create(participants, dim + 1, bits=settings.bits, k=k,
+    words = plan.padded_dim if plan is not None else dim + 1
+    server = SecAggServer(SecAggConfig.create(participants, words, bits=settings.bits, k=k,
                                               t=t, run_id=session, round_id=rnd))
     setup = ConfigRecord({sc.RUN: session, sc.ROUND: rnd, sc.SCALE: scale,
                           sc.CLIP: settings.clip_range, sc.MAX_WEIGHT: cap,
                           sc.WEIGHT_BY: weight_by, sc.ROUNDING: settings.rounding,
                           sc.DROPOUT: settings.dropout,
                           sc.DROPOUT_STAGE: settings.dropout_stage})
+    rotation_seed = secrets.randbits(63) if plan is not None else 0  # public, fresh per round
+    if plan is not None:
+        setup[sc.DP_PLAN] = json.dumps({**plan.to_dict(), sc.ROTATION_SEED: rotation_seed})
+    elif dp is not None and dp.config.mode == "central":
+        setup[sc.DP_CLIP] = float(dp.clip)
     group = str(rnd)
 
     def first(node: int, payload: bytes) -> Message:
         record = ConfigRecord({**setup, sc.MSG: payload})
+        if held is not None:  # secure FedBuff: the node weights the delta it holds
+            record[sc.FACTOR] = float(held[node])
+            return later(node, b"", record)
         content = RecordDict({"arrays": arrays, "config": config, sc.RECORD: record})
         return Message(content, node, f"train.{sc.SECAGG_ACTION}", group_id=group)
 
-    def later(node: int, payload: bytes) -> Message:
-        content = RecordDict({sc.RECORD: ConfigRecord({sc.MSG: payload})})
+    def later(node: int, payload: bytes, record: ConfigRecord | None = None) -> Message:
+        content = RecordDict({sc.RECORD: record or ConfigRecord({sc.MSG: payload})})
         return Message(content, node, f"query.{sc.SECAGG_ACTION}", group_id=group)
 
     def receive(node: int, reply: Message) -> None:
@@ -181,17 +217,29 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord, config: C
         _exchange(grid, messages, timeout=timeout, poll=poll, on_reply=receive)
         outbox, make = server.advance(), later
         outcome.stage_seconds[stage_name(stage)] = time.perf_counter() - started
+        if plan is not None and server.stage is Stage.UNMASKING and \
+                server.status is Status.RUNNING:
+            stop = _over_budget(dp, plan, len(server.survivors), len(participants))
+            if stop:
+                outcome.abort_reason = stop
+                break
     outcome.dropouts = {stage_name(s): sorted(server.dropouts.get(s, ())) for s in STAGES}
     outcome.rejected = dict(sorted(server.rejected.items()))
     outcome.excluded = dict(sorted(server.excluded.items()))
     outcome.survivors = sorted(server.survivors)
     outcome.server_seconds = {stage_name(s): v for s, v in server.seconds.items()}
-    if server.status is Status.ABORTED:
-        outcome.abort_reason = server.abort_reason
+    outcome.server_cpu_seconds = {stage_name(s): v for s, v in server.cpu_seconds.items()}
+    if server.status is not Status.COMPLETED:
+        outcome.abort_reason = outcome.abort_reason or server.abort_reason
         return outcome
-    total, weight = dequantize_weighted(server.result(), len(outcome.survivors),
-                                        clip_range=settings.clip_range, scale=scale,
-                                        max_weight=cap)
+    if plan is not None:
+        total = distributed_decode(server.result(), plan, rotation_seed).astype(np.float64)
+        weight = float(len(outcome.survivors))
+        outcome.noise_multiplier = plan.noise_multiplier_with(len(outcome.survivors))
+    else:
+        total, weight = dequantize_weighted(server.result(), len(outcome.survivors),
+                                            clip_range=settings.clip_range, scale=scale,
+                                            max_weight=cap)
     outcome.status = "completed"
     alive = set(outcome.survivors)
     outcome.masks_removed = len(alive) + sum(
@@ -201,14 +249,35 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord, config: C
     return outcome
 
 
+def _over_budget(dp: DPController, plan: DistributedDPPlan, survivors: int,
+                 participants: int) -> str | None:
+    """Why the noisy sum of ``survivors`` clients must not be revealed, or None."""
+    after = dp.release_exceeds_budget(plan.noise_multiplier_with(survivors))
+    if after is None:
+        return None
+    return (f"distributed DP: with {survivors} of {participants} clients' noise in the sum, "
+            f"revealing it would bring epsilon to {after:.4g} > dp.epsilon_budget "
+            f"{dp.config.epsilon_budget:g}; no share was requested")
+
+
 class SecureRounds:
     """Runs a SyncDriver's rounds with secure aggregation (``[secagg] enabled``)."""
 
-    def __init__(self, settings: SecAggScenarioConfig, *, combine: str, weight_by: str) -> None:
+    def __init__(self, settings: SecAggScenarioConfig, *, combine: str, weight_by: str,
+                 max_clients: int = 0) -> None:
         self.settings = settings
         self.combine = combine
         self.weight_by = weight_by
+        self.max_clients = max_clients  # the most participants a round can have
         self.last: SecureRoundOutcome | None = None
+
+    def prepare(self, driver: SyncDriver) -> None:
+        """At the start of a run: plan distributed DP for the model and ``[secagg] bits``
+        (ValueError, naming the key, when the noisy sum could wrap)."""
+        dp = driver.dp
+        if dp is not None and dp.config.mode == "distributed" and dp.plan is None:
+            dp.plan_distributed(dim=driver.layout.dim, bits=self.settings.bits,
+                                max_clients=self.max_clients)
 
     def run_round(self, driver: SyncDriver, run_id: str, rnd: int, sampled: list[int],
                   t0: float) -> dict[str, float]:
@@ -222,11 +291,15 @@ class SecureRounds:
             config=config, settings=self.settings, weight_by=self.weight_by,
             dim=driver.layout.dim, session=session_id(run_id), rnd=rnd,
             timeout=driver.fed.round_timeout_s, poll=driver.fed.poll_s,
-            on_reply=lambda i: driver.reporter.client_done(rnd, i, len(sampled)))
+            on_reply=lambda i: driver.reporter.client_done(rnd, i, len(sampled)),
+            dp=driver.dp)
         self.last = outcome
         applied = outcome.weighted_sum is not None and outcome.total_weight > 0
         if applied:
             divisor = 1.0 if self.combine == "sum" else outcome.total_weight
+            if driver.dp is not None:  # central: the pipeline noises the sum and divides;
+                divisor = 1.0 if driver.dp.config.mode == "central" else \
+                    float(driver.dp.clients_per_round)  # distributed: a data-free count
             aggregate = (outcome.weighted_sum / divisor).astype(np.float32)
             state.params = driver.pipeline.apply(state.params, aggregate,
                                                  total_weight=outcome.total_weight,
@@ -239,6 +312,8 @@ class SecureRounds:
         metrics = {k: float(v) for k, v in driver.task.evaluate(state.params).items()}
         if clock is not None and clock.simulated:
             metrics["sim_time_s"] = clock.now()
+        driver.account_privacy(run_id, rnd, released=applied, metrics=metrics,
+                               noise_multiplier=outcome.noise_multiplier)
         records = outcome.update_records()
         counts = {fate: sum(r.fate == fate for r in records)
                   for fate in ("accepted", "rejected", "dropped")}
@@ -268,7 +343,8 @@ class SecureRounds:
             driver.store.save_checkpoint(run_id, round=rnd, model_version=state.version,
                                          params=state.params,
                                          state={"pipeline": driver.pipeline.state_dict(),
-                                                "dp": {}})
+                                                "dp": driver.dp.state_dict() if driver.dp
+                                                else {}})
         driver.reporter.round_finished(rnd, {**metrics, "accepted": float(counts["accepted"]),
                                              "rejected": float(counts["rejected"]),
                                              "dropped": float(counts["dropped"])})
@@ -277,10 +353,11 @@ class SecureRounds:
 
 def make_secure_rounds(config: dict[str, Any]) -> SecureRounds | None:
     """The secure-round runner of a resolved scenario, or None when secagg is off."""
-    from server.secagg_config import check_secagg
+    from server.secagg_config import check_secagg, max_round_size
 
     settings = check_secagg(config)
     if settings is None:
         return None
     agg = config["aggregation"]
-    return SecureRounds(settings, combine=agg["combine"], weight_by=agg["weight_by"])
+    return SecureRounds(settings, combine=agg["combine"], weight_by=agg["weight_by"],
+                        max_clients=max_round_size(config))

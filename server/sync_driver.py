@@ -18,7 +18,9 @@ from flwr.serverapp import Grid
 
 from aggregation import Layout, Pipeline, Verdict
 from client import wire
+from client.compression import COMPRESSION_KEY
 from server.clock import Clock, WallClock
+from server.compression import ReplyCompression
 from server.config import FederationConfig
 from server.dp import DPController
 from server.driver_config import DriverConfig
@@ -26,6 +28,7 @@ from server.replies import decode_train_reply
 from server.reporter import Reporter
 from server.store import Store, UpdateRecord
 from server.task import ServerTask
+from server.wire_bytes import ByteCountingGrid
 
 
 @dataclass
@@ -66,7 +69,8 @@ def wait_for_nodes(grid: Grid, fed: FederationConfig) -> list[int]:
 
 def exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: float,
              on_reply: Callable[[Message], None],
-             pending_out: dict[str, int] | None = None) -> tuple[int, list[int]]:
+             pending_out: dict[str, int] | None = None,
+             on_push: Callable[[dict[str, int]], None] | None = None) -> tuple[int, list[int]]:
     """Push messages and hand each reply to ``on_reply`` as soon as it can be consumed.
 
     Replies are consumed in push order (a reply that arrives early waits for the ones
@@ -75,10 +79,15 @@ def exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: float
     consumed, so the server holds at most the out-of-order ones. Returns the number of
     replies and the destination node ids that did not answer before the deadline (their
     message ids go to ``pending_out`` when given, to pull the replies later).
+    ``on_push`` gets {message id: destination node} once the messages are pushed. A reply
+    to no pending message (a duplicate or a replay) goes to ``on_reply`` at once, to be
+    rejected there, and does not count.
     """
     ids = list(grid.push_messages(messages))
     nodes_by_id = {msg_id: msg.metadata.dst_node_id
                    for msg_id, msg in zip(ids, messages, strict=False)}
+    if on_push is not None:
+        on_push(nodes_by_id)
     pushed = set(nodes_by_id.values())
     missing = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in pushed]
     position = {msg_id: i for i, msg_id in enumerate(ids)}
@@ -89,8 +98,9 @@ def exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: float
     while pending:
         for reply in grid.pull_messages(list(pending)):
             msg_id = reply.metadata.reply_to_message_id
-            if msg_id not in pending:
-                continue  # a duplicate, or a reply to another round
+            if msg_id not in pending:  # a duplicate, or a reply to another round
+                on_reply(reply)
+                continue
             pending.discard(msg_id)
             received += 1
             waiting[position[msg_id]] = reply
@@ -123,8 +133,9 @@ class SyncDriver:
     def __init__(self, grid: Grid, *, config: dict[str, Any], task: ServerTask,
                  pipeline: Pipeline, store: Store, reporter: Reporter,
                  dp: DPController | None = None, clock: Clock | None = None) -> None:
-        self.grid = grid
+        self.grid = ByteCountingGrid(grid)  # bytes on the wire, per round and per run
         self.config = config
+        self.compression = ReplyCompression.from_config(config)  # None: dense uploads
         self.fed: FederationConfig = FederationConfig(**config["federation"])
         self.seed = int(config["seed"])
         self.task = task
@@ -138,6 +149,7 @@ class SyncDriver:
         self._busy: dict[int, float] = {}  # node -> simulated time its late task ends
         self._carried: list[tuple[float, int, Message]] = []  # late replies (simulated)
         self._late: dict[str, tuple[int, float]] = {}  # late message id -> (node, pushed at)
+        self._sent: dict[str, tuple[int, int]] = {}  # unsettled message id -> (node, version)
         params, layout = task.initial_params()
         self.layout: Layout = layout
         self.state = RunState(params=params)
@@ -146,6 +158,8 @@ class SyncDriver:
     def run(self, run_id: str | None = None) -> dict[str, Any]:
         """Train for the configured rounds; returns the run summary."""
         started = time.perf_counter()
+        if self.secure is not None:  # e.g. distributed DP's wrap check against [secagg] bits
+            self.secure.prepare(self)
         if run_id is None:
             run_id = self.store.create_run(config=self.config, seed=self.seed,
                                            name=self.config.get("name"))
@@ -155,6 +169,7 @@ class SyncDriver:
             while (self.state.round < self.fed.rounds and not self._budget_stop()
                    and not self._target_reached()):
                 self.run_round(run_id, self.state.round + 1)
+            self.store.flush()  # the last checkpoint is written off the round's path
         except BaseException:
             self.store.finish_run(run_id, status="failed")
             raise
@@ -171,6 +186,8 @@ class SyncDriver:
                            dp_mode=self.dp.config.mode)
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
+        if self.grid.down:  # this process's traffic (a driver that used the counting grid)
+            summary.update(self.grid.totals())
         self._finish_extras(run_id, summary)
         self.store.finish_run(run_id, status=status, summary=summary)
         self.reporter.run_finished(summary)
@@ -200,6 +217,20 @@ class SyncDriver:
         self.reporter.message(f"resuming run {run_id} after round {ckpt.round} "
                               f"(model version {ckpt.model_version})")
         return self.run(run_id)
+
+    def account_privacy(self, run_id: str, rnd: int, *, released: bool,
+                        metrics: dict[str, float], noise_multiplier: float | None = None) -> None:
+        """Charge a round to the accountant and the stored ledger (no-op without DP);
+        ``noise_multiplier``: what this round's aggregate actually held, if not the plan's."""
+        if self.dp is None:
+            return
+        spent = self.dp.end_round(released=released, noise_multiplier=noise_multiplier)
+        self.store.record_privacy(run_id, round=rnd, mode=self.dp.config.mode,
+                                  accountant=self.dp.config.accountant,
+                                  epsilon=spent.epsilon, delta=spent.delta,
+                                  noise_multiplier=spent.noise_multiplier, clip=spent.clip,
+                                  sampling_rate=spent.sampling_rate)
+        metrics.update(epsilon=spent.epsilon, clip=spent.clip)
 
     def _budget_stop(self) -> bool:
         """Stop before a round that would take the run past its epsilon budget."""
@@ -232,6 +263,10 @@ class SyncDriver:
         config = ConfigRecord({"server-round": rnd, wire.VERSION_KEY: state.version,
                                wire.REPLY_KEY: "delta", wire.TASK_KEY: self.task_json,
                                wire.SEED_KEY: self.seed})
+        codec = None
+        if self.compression is not None:  # the clients upload compressed deltas
+            config[COMPRESSION_KEY] = self.compression.request(run_id)
+            codec = self.compression.codec(run_id, rnd, self.layout.dim)
         content = RecordDict({"arrays": wire.model_record(self.layout, state.params),
                               "config": config})
         messages = [Message(content, node, "train", group_id=str(rnd)) for node in sampled]
@@ -241,10 +276,13 @@ class SyncDriver:
 
         def consume(reply: Message) -> None:
             self.reporter.client_done(rnd, len(records) + 1, len(sampled))
-            client_id = str(reply.metadata.src_node_id)
+            client_id, version, problem = self._settle(reply)
             try:
+                if problem is not None:
+                    raise wire.WireError(problem)
                 update = decode_train_reply(reply, client_id=client_id, layout=self.layout,
-                                            base_params=state.params, version=state.version)
+                                            base_params=state.params, version=version,
+                                            codec=codec)
             except wire.WireError as exc:
                 verdict = agg.reject(client_id, str(exc))
                 self.reporter.message(f"round {rnd}: rejected client {client_id}: {exc}")
@@ -259,6 +297,7 @@ class SyncDriver:
             records.append(_record(verdict, update.metrics))
 
         num_replies, missing = self._collect(messages, consume, records)
+        self._forget_settled()
 
         try:
             delta = agg.finish()
@@ -273,14 +312,8 @@ class SyncDriver:
         metrics = {k: float(v) for k, v in self.task.evaluate(state.params).items()}
         if self.clock.simulated:
             metrics["sim_time_s"] = self.clock.now()
-        if self.dp is not None:
-            spent = self.dp.end_round(released=delta is not None)
-            self.store.record_privacy(run_id, round=rnd, mode=self.dp.config.mode,
-                                      accountant=self.dp.config.accountant,
-                                      epsilon=spent.epsilon, delta=spent.delta,
-                                      noise_multiplier=spent.noise_multiplier, clip=spent.clip,
-                                      sampling_rate=spent.sampling_rate)
-            metrics.update(epsilon=spent.epsilon, clip=spent.clip)
+        metrics.update(self.grid.since_last())  # bytes_up, bytes_down
+        self.account_privacy(run_id, rnd, released=delta is not None, metrics=metrics)
         if losses:
             metrics["train_loss"] = float(np.average([loss for loss, _ in losses],
                                                      weights=[w for _, w in losses]))
@@ -298,14 +331,39 @@ class SyncDriver:
         state.history.append(metrics)
         if self.fed.checkpoint_every and (rnd % self.fed.checkpoint_every == 0
                                           or rnd == self.fed.rounds):
-            self.store.save_checkpoint(run_id, round=rnd, model_version=state.version,
-                                       params=state.params,
-                                       state={"pipeline": self.pipeline.state_dict(),
-                                              "dp": self.dp.state_dict() if self.dp else {}})
+            # Written on the store's writer thread while the next round runs.
+            self.store.save_checkpoint_in_background(
+                run_id, round=rnd, model_version=state.version, params=state.params,
+                state={"pipeline": self.pipeline.state_dict(),
+                       "dp": self.dp.state_dict() if self.dp else {}})
         self.reporter.round_finished(rnd, {**metrics, "accepted": float(agg.num_accepted),
                                            "rejected": float(num_rejected),
                                            "dropped": float(len(missing))})
         return metrics
+
+    # ---- who answered: each reply must settle a message this driver sent to that node
+
+    def _remember(self, pushed: dict[str, int]) -> None:
+        self._sent.update({i: (node, self.state.version) for i, node in pushed.items()})
+
+    def _settle(self, reply: Message) -> tuple[str, int, str | None]:
+        """The client a reply answers for, the model version it was sent, and why the
+        reply cannot be that client's answer (None when it can)."""
+        claimed, msg_id = reply.metadata.src_node_id, reply.metadata.reply_to_message_id
+        sent = self._sent.pop(msg_id, None)
+        if sent is None:
+            return str(claimed), self.state.version, (
+                f"reply to message {msg_id!r}, which awaits no reply (a duplicate or a replay)")
+        node, version = sent
+        if claimed != node:
+            return str(node), version, (f"reply to the message sent to node {node} says it "
+                                        f"comes from node {claimed}")
+        return str(node), version, None
+
+    def _forget_settled(self) -> None:
+        """Keep only the sent messages whose replies may still come (late, carried)."""
+        open_ids = set(self._late) | {r.metadata.reply_to_message_id for _, _, r in self._carried}
+        self._sent = {i: sent for i, sent in self._sent.items() if i in open_ids}
 
     # ---- stragglers: clock, deadline, late policy, target accuracy
 
@@ -369,7 +427,7 @@ class SyncDriver:
             pending: dict[str, int] = {}
             received, missing = exchange(self.grid, messages, timeout=deadline,
                                          poll=self.fed.poll_s, on_reply=consume,
-                                         pending_out=pending)
+                                         pending_out=pending, on_push=self._remember)
             received += self._consume_late(consume, records)
             if carry:
                 pushed = time.monotonic()
@@ -412,7 +470,8 @@ class SyncDriver:
                 consume(reply)
 
         received, missing = exchange(self.grid, messages, timeout=self.fed.round_timeout_s,
-                                     poll=self.fed.poll_s, on_reply=route)
+                                     poll=self.fed.poll_s, on_reply=route,
+                                     on_push=self._remember)
         records += [UpdateRecord(client_id=str(node), fate="dropped",
                                  reason=f"late: no reply within {self.fed.round_timeout_s:g} s")
                     for node in missing]

@@ -34,19 +34,34 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     from flwr.app import Context, RecordDict
 
     from server.app import make_server_app
-    from simulations.apps import build_task, client_app, config_from_run_config
+    from simulations.apps import (
+        build_task,
+        client_app,
+        config_from_run_config,
+        spec_from_run_config,
+    )
     from simulations.heterogeneity import make_clock
 
     build_task(config)  # fails here, before any engine starts, on bad data or model settings
+    cross_silo = config.get("driver", {}).get("kind") == "cross_silo"
+    if cross_silo and engine != "inprocess":
+        raise ValueError("driver.kind 'cross_silo' needs every silo of a ring running at once: "
+                         "use --engine inprocess, or deploy silos with `fedring silo`")
     result: dict[str, Any] = {}
     server_app = make_server_app(build_task, config_from_run_config, config=config,
                                  store_url=db, reporter=reporter, on_summary=result.update,
-                                 resume=resume, clock=make_clock)
+                                 resume=resume, clock=None if cross_silo else make_clock)
     clients = config["federation"]["clients"]
     if engine == "inprocess":
         from simulations.inprocess import InProcessGrid
 
-        grid = InProcessGrid(client_app, clients)
+        if cross_silo:  # silos on threads, each joining its ring from a process of its own
+            from simulations.silo_engine import ConcurrentGrid, silo_client_app
+            from simulations.task import ScenarioTask
+
+            grid = ConcurrentGrid(silo_client_app(ScenarioTask, spec_from_run_config), clients)
+        else:
+            grid = InProcessGrid(client_app, clients)
         server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
                                  state=RecordDict(), run_config={"db": db}))
     elif engine == "flower":
@@ -188,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     from simulations.deploy import add_parsers as add_deploy_parsers
 
     add_deploy_parsers(sub)  # deploy up/down, certs
+
+    from simulations.silo_cli import add_parser as add_silo_parser
+
+    add_silo_parser(sub)  # silo: a torchrun job as one Flower client
     return parser
 
 

@@ -13,12 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aggregation.compression import CompressionConfig
 from client.training import TrainConfig
 from privacy.dp import DPConfig
+from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
+from server.compression import check_compression
 from server.config import AggregationConfig, FederationConfig, from_section
+from server.cross_silo_config import SiloConfig, check_cross_silo
 from server.dp import dp_controller
 from server.driver_config import ClientsConfig, DriverConfig, check_driver, merge_staleness
 from server.secagg_config import SecAggScenarioConfig, check_secagg
+from simulations.attacks import AttackConfig, check_attack
 from simulations.datasets import dataset_names
 from simulations.models import model_names
 from simulations.partitioners import partitioner_names
@@ -58,6 +63,9 @@ SECTIONS: dict[str, type] = {
     "driver": DriverConfig,
     "clients": ClientsConfig,
     "secagg": SecAggScenarioConfig,
+    "silo": SiloConfig,
+    "attack": AttackConfig,
+    "compression": CompressionConfig,
 }
 FREE_SECTIONS = ("model", "dp")  # checked by building the model / by DPConfig
 
@@ -136,9 +144,12 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     AggregationConfig(**config["aggregation"]).check_clients(fed.clients_per_round(fed.clients))
     dp = DPConfig.from_dict(raw.get("dp", {}))
     config["dp"] = dp.to_dict()
+    check_compression(config, raw.get("secagg", {}))  # may resolve [secagg] bits for QSGD
     check_dp(config, dp, fed)
     check_driver(config)
+    check_cross_silo(config)  # before [secagg]: its own message says why the ring refuses it
     check_secagg(config)
+    check_attack(config)
     return config
 
 
@@ -147,16 +158,30 @@ def check_dp(config: Mapping[str, Any], dp: DPConfig, fed: FederationConfig) -> 
     if not dp.enabled:
         return
     agg = config["aggregation"]
+    secure = bool(config.get("secagg", {}).get("enabled", False))
     if dp.mode == "distributed":
-        raise ValueError("dp.mode='distributed' adds integer noise under secure aggregation, "
-                         "which this version does not run yet: use dp.mode='central' or 'local'")
-    if dp.mode == "central":
+        if not secure:
+            raise ValueError("dp.mode='distributed' adds integer noise under secure "
+                             "aggregation: set secagg.enabled = true (or use dp.mode='central')")
+        if dp.adaptive:
+            raise ValueError("dp.clip='adaptive' needs a noised count of clipped clients, "
+                             "which distributed DP does not compute: set a numeric dp.clip")
+        bits = int(config["secagg"]["bits"])
+        if bits > DISTRIBUTED_MAX_BITS:
+            raise ValueError(f"secagg.bits = {bits}: distributed DP decodes integer sums "
+                             f"exactly only up to {DISTRIBUTED_MAX_BITS} bits; set secagg.bits "
+                             f"<= {DISTRIBUTED_MAX_BITS}")
+    if dp.mode == "central" and dp.adaptive and secure:
+        raise ValueError("dp.clip='adaptive' needs the server to count the clipped updates, "
+                         "which it cannot see under secure aggregation: set a numeric dp.clip "
+                         "or turn secagg off")
+    if dp.mode in ("central", "distributed"):
         if agg["weight_by"] != "uniform":
-            raise ValueError("central DP bounds each client's effect on the sum by the clip "
+            raise ValueError(f"{dp.mode} DP bounds each client's effect on the sum by the clip "
                              "norm, which weighting by example count breaks: set "
                              "aggregation.weight_by = 'uniform'")
         if agg["combine"] not in ("mean", "sum"):
-            raise ValueError(f"central DP noises a sum of clipped updates; "
+            raise ValueError(f"{dp.mode} DP noises a sum of clipped updates; "
                              f"aggregation.combine='{agg['combine']}' is not a sum: use 'mean'")
     dp_controller(dp, fed)  # the accountant refuses unsupported sampling/accountant pairs
 

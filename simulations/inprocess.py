@@ -3,7 +3,9 @@
 No SuperLink, no Ray, no polling and no serialisation: ``push_messages`` queues, and
 ``pull_messages`` runs each queued ClientApp call as the caller iterates, so the
 ServerApp sees replies one by one as they are produced. Node ids are 1..N and node
-``i`` holds partition ``i - 1``, like Flower's simulation engine's node config.
+``i`` holds partition ``i - 1``, like Flower's simulation engine's node config; the node
+config also says "fedring.in-process", so fedring's ClientApp hands its delta over in a
+reused buffer instead of fresh bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
+
+from client.wire import IN_PROCESS_KEY
 
 CLIENT_ERROR = 1  # Error code carried by replies of a ClientApp that raised
 
@@ -46,7 +50,8 @@ class InProcessGrid(Grid):
         self._contexts = {
             node_id: Context(run_id=run_id, node_id=node_id,
                              node_config={"partition-id": node_id - 1,
-                                          "num-partitions": num_nodes},
+                                          "num-partitions": num_nodes,
+                                          IN_PROCESS_KEY: True},
                              state=RecordDict(), run_config=dict(run_config or {}))
             for node_id in range(1, num_nodes + 1)
         }

@@ -32,7 +32,9 @@ def round_table(rounds: list[RoundInfo],
             for stage, column in SECAGG_COLUMNS.items():
                 row[column] = len(s["dropouts"].get(stage, ()))
         for key in sorted(r.metrics):
-            row[key] = r.metrics[key]
+            value = r.metrics[key]  # bytes on the wire are whole numbers
+            row[key] = int(value) if key.startswith("bytes_") and isinstance(value, float) \
+                else value
         rows.append(row)
     return rows
 

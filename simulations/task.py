@@ -19,19 +19,23 @@ from aggregation import Layout
 from client.flat_model import FlatModel
 from client.training import TrainConfig, evaluate
 from privacy.dp import DPConfig
+from simulations.attacks import Attack, AttackConfig
 from simulations.datasets import Dataset, load_dataset
 from simulations.models import build_model
 from simulations.partitioners import partition
 
 SPEC_KEYS = ("seed", "clients", "data", "model", "train")
-OPTIONAL_SPEC_KEYS = ("dp",)
+OPTIONAL_SPEC_KEYS = ("dp", "attack")
 
 
 def task_spec(config: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a resolved scenario that clients need to rebuild the task."""
-    return {"seed": config["seed"], "clients": config["federation"]["clients"],
+    spec = {"seed": config["seed"], "clients": config["federation"]["clients"],
             "data": config["data"], "model": config["model"], "train": config["train"],
             "dp": config.get("dp", {})}
+    if AttackConfig(**config.get("attack", {})).enabled:
+        spec["attack"] = config["attack"]
+    return spec
 
 
 @lru_cache(maxsize=4)
@@ -68,6 +72,7 @@ class ScenarioTask:
         self._eval_model: FlatModel | None = None
         dp = DPConfig.from_dict(spec.get("dp", {}))
         self.local_dp = ((float(dp.clip), dp.noise_multiplier) if dp.mode == "local" else None)
+        self.attack = Attack.from_spec(spec.get("attack"), seed=self.seed, clients=self.clients)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ScenarioTask:
@@ -93,7 +98,14 @@ class ScenarioTask:
                              f"{self.clients} clients (0..{self.clients - 1})")
         idx = self.partitions()[partition_id]
         ds = self.dataset
-        return torch.from_numpy(ds.x_train[idx]), torch.from_numpy(ds.y_train[idx])
+        x, y = torch.from_numpy(ds.x_train[idx]), torch.from_numpy(ds.y_train[idx])
+        if self.attack is not None:
+            y = self.attack.labels(partition_id, y, ds.num_classes)
+        return x, y
+
+    def tamper(self, partition_id: int, delta: np.ndarray, seed: int) -> bool:
+        """Poison a simulated attacker's delta in place (``[attack]``); True for attackers."""
+        return self.attack is not None and self.attack.tamper(partition_id, delta, seed)
 
     def initial_params(self) -> tuple[np.ndarray, Layout]:
         model = FlatModel(self.build_model())

@@ -11,7 +11,10 @@ Flow (one call of :meth:`SecAggClient.handle` per server message)::
 Any message that breaks the protocol raises :class:`ProtocolError` and leaves the
 state unchanged; in particular a request that would reveal both shares of one
 peer (in one request or across several) is refused. The state can be saved
-between messages with :meth:`export_state` (it holds private keys: keep it local).
+between messages with :meth:`export_state` (it holds secrets: keep it local). It
+keeps only what the next stages need, already derived: after PUBLIC_KEYS the two
+private keys are gone and each neighbour's share-decryption key and pair-mask seed
+are kept instead, so restoring a session does no key agreement or derivation.
 Threat model: honest-but-curious server and authenticated client-server channels
 (the transport's job); no signatures or consistency round (Bonawitz's active variant).
 """
@@ -34,9 +37,11 @@ from privacy.secagg.shamir import SHARE_BYTES, split_secret
 from privacy.secagg.stages import Stage
 
 _STATE_MAGIC = b"SC"
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _STATE_HEAD = struct.Struct("<2sBBQBQI")
 _BLOB = struct.Struct("<I")
+_PEER = struct.Struct(f"<Q{kx.KEY_BYTES}s{kx.KEY_BYTES}s")  # id, share key to us, pair seed
+_HELD = struct.Struct(f"<Q{SHARE_BYTES}s{SHARE_BYTES}s")  # id, b-share, sk-share
 _REVEALED = struct.Struct("<QB")
 
 
@@ -58,15 +63,13 @@ class SecAggClient:
         self.config: SecAggConfig | None = None
         self.neighbours: frozenset[int] = frozenset()
         self._input: np.ndarray | None = None
-        self._c_sk: kx.X25519PrivateKey | None = None
-        self._s_sk: kx.X25519PrivateKey | None = None
-        self._b_seed = b""
-        self._peers: dict[int, PeerKeys] = {}
-        self._c_shared: dict[int, bytes] = {}  # peer -> X25519(c_u, c_v)
+        self._setup_raw = b""  # the SETUP message (restores config and neighbours)
+        self._c_sk: kx.X25519PrivateKey | None = None  # until PUBLIC_KEYS
+        self._s_sk: kx.X25519PrivateKey | None = None  # until PUBLIC_KEYS
+        self._b_seed = b""  # until the input is masked
+        self._peers: dict[int, tuple[bytes, bytes]] = {}  # peer -> (its share key, pair seed)
         self._held: dict[int, tuple[bytes, bytes]] = {}  # peer -> (b-share, sk-share)
-        self._failed: tuple[int, ...] = ()
         self._revealed: dict[int, ShareKind] = {}
-        self._raw: dict[MsgType, bytes] = {}
 
     # --- public API --------------------------------------------------------
 
@@ -78,11 +81,8 @@ class SecAggClient:
         """
         self._input = np.asarray(vector)
 
-    def handle(self, payload: bytes) -> bytes | bytearray:
-        """Process one server message and return the reply; ProtocolError if refused.
-
-        The MASKED_INPUT reply is a ``bytearray`` (see :mod:`privacy.secagg.messages`).
-        """
+    def handle(self, payload: bytes) -> bytes:
+        """Process one server message and return the reply; ProtocolError if refused."""
         kind = msg.read_header(payload).kind
         handlers = {
             MsgType.SETUP: self._on_setup,
@@ -107,7 +107,7 @@ class SecAggClient:
         self._load_setup(h, config)
         self._c_sk, self._s_sk = kx.new_private_key(), kx.new_private_key()
         self._b_seed = os.urandom(32)
-        self._raw[MsgType.SETUP] = bytes(payload)
+        self._setup_raw = bytes(payload)
         self.stage = Stage.ADVERTISE_KEYS
         reply = msg.AdvertiseKeys(
             kx.public_bytes(self._c_sk), kx.public_bytes(self._s_sk), kx.commit(self._b_seed)
@@ -117,23 +117,28 @@ class SecAggClient:
     def _on_public_keys(self, payload: bytes) -> bytes:
         self._require_stage(Stage.ADVERTISE_KEYS, "PUBLIC_KEYS")
         h, m = msg.decode_public_keys(payload)
-        peers, c_shared = self._load_public_keys(h, m)
+        peers = self._load_public_keys(h, m)
         cfg = self._cfg
         ids = sorted(peers)
         xs = [cfg.positions[v] + 1 for v in ids]
         b_shares = split_secret(self._b_seed, cfg.t, xs)
         sk_shares = split_secret(kx.private_bytes(self._s_sk), cfg.t, xs)
-        out = []
+        out, derived = [], {}
         for v, b_share, sk_share in zip(ids, b_shares, sk_shares, strict=True):
-            key = kx.share_key(c_shared[v], cfg.run_id, cfg.round_id, self.client_id, v)
+            c_shared = kx.agree(self._c_sk, peers[v].c_pk)
+            key = kx.share_key(c_shared, cfg.run_id, cfg.round_id, self.client_id, v)
             ad = kx.share_ad(cfg.run_id, cfg.round_id, self.client_id, v)
             out.append((v, kx.encrypt(key, ad, b_share + sk_share)))
-        self._peers, self._c_shared = peers, c_shared
-        self._raw[MsgType.PUBLIC_KEYS] = bytes(payload)
+            theirs = kx.share_key(c_shared, cfg.run_id, cfg.round_id, v, self.client_id)
+            s_shared = kx.agree(self._s_sk, peers[v].s_pk)
+            derived[v] = (theirs, kx.pair_seed(s_shared, cfg.run_id, cfg.round_id,
+                                               self.client_id, v))
+        self._peers = derived
+        self._c_sk = self._s_sk = None  # everything later needs is derived now
         self.stage = Stage.SHARE_KEYS
         return msg.encode_share_keys(self._header(MsgType.SHARE_KEYS), msg.ShareKeys(tuple(out)))
 
-    def _on_forwarded_shares(self, payload: bytes) -> bytearray:
+    def _on_forwarded_shares(self, payload: bytes) -> bytes:
         self._require_stage(Stage.SHARE_KEYS, "FORWARDED_SHARES")
         x = self._checked_input()
         h, m = msg.decode_forwarded_shares(payload)
@@ -141,14 +146,15 @@ class SecAggClient:
         cfg = self._cfg
         masks = [(self._b_seed, 1)]
         for v in sorted(held):
-            shared = kx.agree(self._s_sk, self._peers[v].s_pk)
-            seed = kx.pair_seed(shared, cfg.run_id, cfg.round_id, self.client_id, v)
-            masks.append((seed, 1 if self.client_id < v else -1))
-        h = self._header(MsgType.MASKED_INPUT)
-        reply, y = msg.new_masked_input(h, failed, cfg.dim, cfg.word_dtype)
-        combine([x], masks, cfg.dim, cfg.bits, out=y)  # mask straight into the message
-        self._held, self._failed = held, failed
-        self._raw[MsgType.FORWARDED_SHARES] = bytes(payload)
+            masks.append((self._peers[v][1], 1 if self.client_id < v else -1))
+        head = msg.masked_input_head(self._header(MsgType.MASKED_INPUT), failed, cfg.dim,
+                                     cfg.word_dtype)
+        buf = np.empty(len(head) + cfg.dim * cfg.word_dtype.itemsize, np.uint8)  # no zeroing
+        buf[: len(head)] = np.frombuffer(head, np.uint8)
+        combine([x], masks, cfg.dim, cfg.bits, out=buf[len(head) :].view(cfg.word_dtype))
+        reply = buf.tobytes()  # the bytes a transport needs: one copy
+        self._held = held
+        self._peers, self._b_seed = {}, b""
         self._input = None
         self.stage = Stage.MASKED_INPUT
         return reply
@@ -203,9 +209,7 @@ class SecAggClient:
         self.neighbours = frozenset(ids[j] for j in graph[config.positions[self.client_id]])
         self.config = config
 
-    def _load_public_keys(
-        self, h: Header, m: msg.PublicKeys
-    ) -> tuple[dict[int, PeerKeys], dict[int, bytes]]:
+    def _load_public_keys(self, h: Header, m: msg.PublicKeys) -> dict[int, PeerKeys]:
         self._check_header(h)
         peers = {}
         for e in m.entries:
@@ -218,7 +222,7 @@ class SecAggClient:
         all_keys = own + [k for e in m.entries for k in (e.c_pk, e.s_pk)]
         if len(set(all_keys)) != len(all_keys):
             raise ProtocolError("public keys are not all distinct")
-        return peers, {v: kx.agree(self._c_sk, e.c_pk) for v, e in peers.items()}
+        return peers
 
     def _load_forwarded(
         self, h: Header, m: msg.ForwardedShares
@@ -232,12 +236,9 @@ class SecAggClient:
                 raise ProtocolError(f"share from client {sender}, not a neighbour")
             if sender not in self._peers:
                 raise ProtocolError(f"share from client {sender}, whose keys were not announced")
-            key = kx.share_key(
-                self._c_shared[sender], cfg.run_id, cfg.round_id, sender, self.client_id
-            )
             ad = kx.share_ad(cfg.run_id, cfg.round_id, sender, self.client_id)
             try:
-                plain = kx.decrypt(key, ad, ct)
+                plain = kx.decrypt(self._peers[sender][0], ad, ct)
             except ProtocolError:
                 failed.append(sender)
                 continue
@@ -289,7 +290,13 @@ class SecAggClient:
     # --- persistence between messages ---------------------------------------
 
     def export_state(self) -> bytes:
-        """Everything needed to continue in another process (contains private keys)."""
+        """What the next stages need, to continue in another process (secret: keep local).
+
+        Layout: a header, then four length-prefixed blobs (the SETUP message; the
+        private keys and b_u's seed until PUBLIC_KEYS, then the seed alone until
+        masking; per announced neighbour its share key and pair seed; per held
+        peer its two shares), then the shares revealed so far.
+        """
         flags = (self.expected_run_id is not None) | (self.expected_round_id is not None) << 1
         head = _STATE_HEAD.pack(
             _STATE_MAGIC,
@@ -300,14 +307,12 @@ class SecAggClient:
             self.expected_run_id or 0,
             self.expected_round_id or 0,
         )
-        secrets = b""
-        if self._c_sk is not None:
-            secrets = kx.private_bytes(self._c_sk) + kx.private_bytes(self._s_sk) + self._b_seed
-        blobs = [secrets] + [
-            self._raw.get(t, b"")
-            for t in (MsgType.SETUP, MsgType.PUBLIC_KEYS, MsgType.FORWARDED_SHARES)
-        ]
-        parts = [head] + [_BLOB.pack(len(b)) + b for b in blobs]
+        secrets = self._b_seed
+        if self._c_sk is not None and self._s_sk is not None:
+            secrets = kx.private_bytes(self._c_sk) + kx.private_bytes(self._s_sk) + secrets
+        peers = b"".join(_PEER.pack(v, *p) for v, p in sorted(self._peers.items()))
+        held = b"".join(_HELD.pack(v, *p) for v, p in sorted(self._held.items()))
+        parts = [head] + [_BLOB.pack(len(b)) + b for b in (self._setup_raw, secrets, peers, held)]
         parts.append(_BLOB.pack(len(self._revealed)))
         parts += [_REVEALED.pack(v, k) for v, k in sorted(self._revealed.items())]
         return b"".join(parts)
@@ -329,34 +334,56 @@ class SecAggClient:
         blobs = []
         for _ in range(4):
             (size,) = _BLOB.unpack_from(data, pos)
+            if pos + 4 + size > len(data):
+                raise ProtocolError("truncated client state")
             blobs.append(data[pos + 4 : pos + 4 + size])
             pos += 4 + size
         client = cls(
             cid, run_id=run_id if flags & 1 else None, round_id=round_id if flags & 2 else None
         )
-        secrets, setup, public_keys, forwarded = blobs
+        client.stage = Stage(stage)
+        setup, secrets, peers, held = blobs
+        # what each stage keeps: (secrets length, announced peers, held shares)
+        expected = {
+            Stage.SETUP: (0, False, False),
+            Stage.ADVERTISE_KEYS: (96, False, False),
+            Stage.SHARE_KEYS: (32, True, False),
+            Stage.MASKED_INPUT: (0, False, True),
+            Stage.UNMASKING: (0, False, True),
+        }[client.stage]
+        if (bool(setup), len(secrets), bool(peers), bool(held)) != (
+            client.stage != Stage.SETUP,
+            *expected,
+        ):
+            raise ProtocolError(f"client state does not match stage {client.stage.name}")
         if setup:
             client._load_setup(*msg.decode_setup(setup))
-            client._raw[MsgType.SETUP] = setup
+            client._setup_raw = setup
+        if len(secrets) == 96:
             client._c_sk = kx.private_key_from_bytes(secrets[:32])
             client._s_sk = kx.private_key_from_bytes(secrets[32:64])
-            client._b_seed = secrets[64:96]
-        if public_keys:
-            loaded = client._load_public_keys(*msg.decode_public_keys(public_keys))
-            client._peers, client._c_shared = loaded
-            client._raw[MsgType.PUBLIC_KEYS] = public_keys
-        if forwarded:
-            client._held, client._failed = client._load_forwarded(
-                *msg.decode_forwarded_shares(forwarded)
-            )
-            client._raw[MsgType.FORWARDED_SHARES] = forwarded
+        client._b_seed = secrets[-32:] if secrets else b""
+        client._peers = {v: (key, seed) for v, key, seed in _entries(_PEER, peers)}
+        client._held = {v: (b, sk) for v, b, sk in _entries(_HELD, held)}
+        for v in list(client._peers) + list(client._held):
+            if v not in client.neighbours:
+                raise ProtocolError(f"client state names client {v}, not a neighbour")
         (count,) = _BLOB.unpack_from(data, pos)
         pos += 4
-        for _ in range(count):
-            v, k = _REVEALED.unpack_from(data, pos)
-            client._revealed[v] = ShareKind(k)
-            pos += _REVEALED.size
-        if pos != len(data):
-            raise ProtocolError("trailing bytes in client state")
-        client.stage = Stage(stage)
+        if pos + count * _REVEALED.size != len(data):
+            raise ProtocolError("trailing or missing bytes in client state")
+        for v, kind in _entries(_REVEALED, data[pos:]):
+            if v not in client._held:
+                raise ProtocolError(f"client state reveals a share of client {v}, not held")
+            client._revealed[v] = ShareKind(kind)
         return client
+
+
+def _entries(st: struct.Struct, blob: bytes) -> list[tuple]:
+    """Fixed-size records of ``blob``, distinct ids first; ProtocolError if malformed."""
+    if len(blob) % st.size:
+        raise ProtocolError("malformed client state: a record is cut short")
+    out = list(st.iter_unpack(blob))
+    if len({r[0] for r in out}) != len(out):
+        raise ProtocolError("malformed client state: a client id occurs twice")
+    return out

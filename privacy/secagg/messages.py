@@ -18,9 +18,10 @@ message. Bodies (all integers little-endian, ids u64, counts u32)::
     UNMASK_RESPONSE   m u32, m x (peer id, kind u8 (0 self-mask, 1 mask key), share 33B)
 
 A ciphertext is nonce 12B || AES-GCM(b-share 33B || sk-share 33B) || tag 16B.
-Encoders return ``bytes``, except MASKED_INPUT: a ``bytearray`` the client writes
-its masked vector into directly (one buffer, no copy; ``bytes(msg)`` if a
-transport insists). Decoders accept any contiguous bytes-like object.
+Encoders return ``bytes``, except MASKED_INPUT: :func:`new_masked_input` gives a
+``bytearray`` to write the vector into, and :func:`masked_input_head` the bytes before
+the vector, for a client that writes its masked vector into its own buffer.
+Decoders accept any contiguous bytes-like object.
 Decoders check lengths exactly and raise :class:`ProtocolError` on anything
 malformed (truncated, trailing bytes, wrong magic/version/type, bad counts,
 duplicate ids, values out of range); nothing else escapes them.
@@ -64,6 +65,9 @@ class ShareKind(IntEnum):
 
     SELF_MASK = 0  # b_u, revealed for survivors
     MASK_KEY = 1  # s_u^SK, revealed for dropped clients
+
+
+_SHARE_KINDS = {int(k): k for k in ShareKind}
 
 
 @dataclass(frozen=True)
@@ -295,20 +299,26 @@ def decode_forwarded_shares(data: bytes) -> tuple[Header, ForwardedShares]:
 # --- MASKED_INPUT ----------------------------------------------------------
 
 
-def new_masked_input(
-    h: Header, failed: tuple[int, ...], dim: int, dtype: np.dtype
-) -> tuple[bytearray, np.ndarray]:
-    """A MASKED_INPUT message with its vector left to fill: (message, writable view)."""
+def masked_input_head(h: Header, failed: tuple[int, ...], dim: int, dtype: np.dtype) -> bytes:
+    """Everything of a MASKED_INPUT message before its ``dim`` words."""
     word = np.dtype(dtype).itemsize
     if word not in (4, 8):
         raise ValueError("masked vector words must be 4 or 8 bytes")
-    head = b"".join(
+    return b"".join(
         [
             _header_bytes(h),
             _VECTOR_HEAD.pack(word, len(failed), dim),
             struct.pack(f"<{len(failed)}Q", *failed),
         ]
     )
+
+
+def new_masked_input(
+    h: Header, failed: tuple[int, ...], dim: int, dtype: np.dtype
+) -> tuple[bytearray, np.ndarray]:
+    """A MASKED_INPUT message with its vector left to fill: (message, writable view)."""
+    word = np.dtype(dtype).itemsize
+    head = masked_input_head(h, failed, dim, dtype)
     buf = bytearray(len(head) + dim * word)
     buf[: len(head)] = head
     return buf, np.frombuffer(buf, dtype=f"<u{word}", count=dim, offset=len(head))
@@ -369,20 +379,21 @@ def encode_unmask_response(h: Header, m: UnmaskResponse) -> bytes:
 
 def decode_unmask_response(data: bytes) -> tuple[Header, UnmaskResponse]:
     h, r = _open(data, MsgType.UNMASK_RESPONSE)
+    count = r.count(_SHARE.size)
+    end = r.pos + count * _SHARE.size
     out = []
     seen = set()
-    for _ in range(r.count(_SHARE.size)):
-        peer, raw_kind, share = r.unpack(_SHARE)
-        try:
-            kind = ShareKind(raw_kind)
-        except ValueError:
-            raise ProtocolError(f"unknown share kind {raw_kind}") from None
+    for peer, raw_kind, share in _SHARE.iter_unpack(r.data[r.pos : end]):
+        kind = _SHARE_KINDS.get(raw_kind)
+        if kind is None:
+            raise ProtocolError(f"unknown share kind {raw_kind}")
         if (peer, kind) in seen:
             raise ProtocolError(f"duplicate {kind.name} share of client {peer}")
-        if int.from_bytes(share, "little") >= PRIME:
+        if share[-1] and int.from_bytes(share, "little") >= PRIME:  # top byte 0: < 2^256
             raise ProtocolError("share value outside the field")
         seen.add((peer, kind))
         out.append(RevealedShare(peer, kind, share))
+    r.pos = end
     r.end()
     return h, UnmaskResponse(tuple(out))
 

@@ -4,7 +4,7 @@ The AES key is HKDF-SHA256(seed) (16 bytes); the counter starts at zero, which i
 safe because every key expands exactly one mask. The keystream is read as
 little-endian uint32 words (uint64 for bits > 32). Sums are computed with numpy's
 wrap-around arithmetic in those words; reduction mod 2^bits (a bit mask) is done
-once at the end, which is exact because 2^bits divides 2^32 (2^64).
+once per chunk after all additions, which is exact because 2^bits divides 2^32 (2^64).
 
 :func:`combine` walks the output in cache-sized chunks and, per chunk, adds every
 input vector and expands every mask into one small reused buffer, so each mask
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
@@ -43,49 +43,80 @@ def expand(seed: bytes, dim: int, bits: int) -> np.ndarray:
     return combine([], [(seed, 1)], dim, bits)
 
 
+class _Masker:
+    """Adds sum(vectors) + sum(sign * PRG(seed)) to chunks of words, one chunk at a time.
+
+    Every mask is one AES-CTR stream read in order, so chunks must come in order;
+    each chunk costs one in-cache keystream pass and one add per mask.
+    """
+
+    def __init__(
+        self, vectors: Sequence[np.ndarray], masks: Sequence[tuple[bytes, int]], bits: int
+    ) -> None:
+        self.dtype = word_dtype(bits)
+        self.step = CHUNK_BYTES // self.dtype.itemsize
+        self.vectors = vectors
+        self.streams = [(_stream(seed), sign >= 0) for seed, sign in masks]
+        self.low = None if bits == 8 * self.dtype.itemsize else self.dtype.type((1 << bits) - 1)
+        self._scratch = bytearray(CHUNK_BYTES + _AES_BLOCK - 1)  # update_into needs block-1
+        self._words = np.frombuffer(self._scratch, dtype=self.dtype, count=self.step)
+
+    def spans(self, dim: int) -> Iterator[tuple[int, int]]:
+        for start in range(0, dim, self.step):
+            yield start, min(dim, start + self.step)
+
+    def apply(self, chunk: np.ndarray, start: int, *, accumulate: bool) -> None:
+        """chunk = (chunk if accumulate else 0) + vectors + masks over [start, start+len)."""
+        stop = start + chunk.size
+        vectors = self.vectors
+        if not accumulate:
+            if vectors:
+                np.copyto(chunk, vectors[0][start:stop], casting="unsafe")
+                vectors = vectors[1:]
+            else:
+                chunk.fill(0)
+        for v in vectors:
+            # same-dtype add: uint64 + int64 would promote to float64 and lose bits
+            np.add(chunk, v[start:stop].astype(self.dtype, copy=False), out=chunk)
+        mask = self._words[: chunk.size]
+        zeros = _ZEROS[: chunk.size * self.dtype.itemsize]
+        for enc, positive in self.streams:
+            enc.update_into(zeros, self._scratch)
+            if positive:
+                np.add(chunk, mask, out=chunk)
+            else:
+                np.subtract(chunk, mask, out=chunk)
+        if self.low is not None:
+            np.bitwise_and(chunk, self.low, out=chunk)
+
+
 def combine(
     vectors: Sequence[np.ndarray],
     masks: Sequence[tuple[bytes, int]],
     dim: int,
     bits: int,
     out: np.ndarray | None = None,
+    *,
+    accumulate: bool = False,
 ) -> np.ndarray:
     """sum(vectors) + sum(sign * PRG(seed) for seed, sign in masks) mod 2^bits.
 
     Vectors may have any integer dtype (values are taken mod 2^bits; each chunk
     is cast to the word dtype, wrapping, before it is added). The result
     is a little-endian uint32 (bits <= 32) or uint64 array: ``out`` if given (e.g.
-    a view into a message buffer), else a new one.
+    a view into a message buffer), else a new one. With ``accumulate`` the sum is
+    added to what ``out`` holds (taken mod 2^bits), in place.
     """
-    dtype = word_dtype(bits)
-    step = CHUNK_BYTES // dtype.itemsize
+    masker = _Masker(vectors, masks, bits)
+    dtype = masker.dtype
     if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out")
         out = np.empty(dim, dtype=dtype)
     elif out.shape != (dim,) or out.dtype != dtype or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous array of {dim} {dtype} words")
-    scratch = bytearray(CHUNK_BYTES + _AES_BLOCK - 1)  # update_into needs block-1 spare
-    words = np.frombuffer(scratch, dtype=dtype, count=step)
-    streams = [(_stream(seed), sign >= 0) for seed, sign in masks]
-    for start in range(0, dim, step):
-        stop = min(dim, start + step)
-        size = stop - start
-        chunk = out[start:stop]
-        if vectors:
-            np.copyto(chunk, vectors[0][start:stop], casting="unsafe")
-            for v in vectors[1:]:
-                # same-dtype add: uint64 + int64 would promote to float64 and lose bits
-                np.add(chunk, v[start:stop].astype(dtype, copy=False), out=chunk)
-        else:
-            chunk.fill(0)
-        mask = words[:size]
-        for enc, positive in streams:
-            enc.update_into(_ZEROS[: size * dtype.itemsize], scratch)
-            if positive:
-                np.add(chunk, mask, out=chunk)
-            else:
-                np.subtract(chunk, mask, out=chunk)
-    if bits < 8 * dtype.itemsize:
-        np.bitwise_and(out, dtype.type((1 << bits) - 1), out=out)
+    for start, stop in masker.spans(dim):
+        masker.apply(out[start:stop], start, accumulate=accumulate)
     return out
 
 

@@ -26,6 +26,11 @@ Before asking for any share in stage 4 the session checks that every secret it
 will need has at least t holders among the survivors; otherwise it aborts
 without asking, so an aborted round reveals nothing. It aborts in stage 4 if
 responders drop so that fewer than t shares of a needed secret arrive.
+
+Cost: masked vectors are added into one running sum as they arrive (a sender
+rejected later is subtracted again), so only that sum is kept for stage 4, where
+the secrets are rebuilt (one set of Lagrange coefficients per set of holders)
+and every mask to remove is expanded and subtracted in place, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from privacy.secagg.graph import regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
 from privacy.secagg.params import SecAggConfig
 from privacy.secagg.prg import combine
-from privacy.secagg.shamir import reconstruct_secret
+from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
 from privacy.secagg.stages import REPLY_TYPE, Stage
 
 
@@ -72,6 +77,7 @@ class SecAggServer:
         self.ignored: list[tuple[int, str]] = []  # late or unsolicited messages
         self.survivors: frozenset[int] = frozenset()
         self.seconds: dict[Stage, float] = {}  # wall time spent in the session per stage
+        self.cpu_seconds: dict[Stage, float] = {}  # and this thread's CPU time
         self.awaiting: set[int] = set()
         self._received: dict[int, object] = {}
         self._keys: dict[int, PeerKeys] = {}
@@ -80,7 +86,8 @@ class SecAggServer:
         self._cts: dict[int, dict[int, bytes]] = {}  # sender -> receiver -> ciphertext
         self._forwarded: dict[int, frozenset[int]] = {}  # u -> senders forwarded to u
         self._masked_with: dict[int, frozenset[int]] = {}  # survivor -> peers in its masks
-        self._vectors: dict[int, np.ndarray] = {}
+        self._summed: dict[int, np.ndarray] = {}  # masked vectors added into _sum so far
+        self._sum: np.ndarray | None = None  # their running sum (words, wrapping)
         self._requested: dict[int, frozenset[tuple[int, ShareKind]]] = {}
         self._dropped_needed: frozenset[int] = frozenset()
         self._result: np.ndarray | None = None
@@ -113,9 +120,12 @@ class SecAggServer:
             why = "already rejected" if sender in self.rejected else "not awaited in this stage"
             self.ignored.append((sender, f"{why} ({self.stage.name})"))
             return False
-        started = time.perf_counter()
+        started = time.perf_counter(), time.thread_time()
         try:
-            self._received[sender] = self._accept(sender, payload)
+            accepted = self._accept(sender, payload)
+            if isinstance(accepted, msg.MaskedInput):
+                self._add_vector(sender, accepted.vector)
+            self._received[sender] = accepted
         except ProtocolError as exc:
             self._reject(sender, exc.reason)
             return False
@@ -138,7 +148,7 @@ class SecAggServer:
             Stage.MASKED_INPUT: self._close_masked_input,
             Stage.UNMASKING: self._close_unmasking,
         }
-        started = time.perf_counter()
+        started = time.perf_counter(), time.thread_time()
         try:
             return closers[stage]()
         except Aborted as exc:
@@ -298,7 +308,9 @@ class SecAggServer:
                     f"{t} shares among survivors; no share was requested"
                 )
         self._dropped_needed = dropped
-        self._vectors = {u: inputs[u].vector for u in survivors}
+        for u in set(self._summed) - survivors:
+            self._remove_vector(u)
+        self._summed = {}  # the sum is all that is kept of the survivors' vectors
         out = {}
         for w in sorted(survivors):
             mine = self._masked_with[w]
@@ -319,7 +331,6 @@ class SecAggServer:
             x = cfg.positions[w] + 1
             for s in responses[w].shares:
                 shares.setdefault((s.peer, s.kind), []).append((x, s.share))
-        secrets = {}
         needed = [(u, ShareKind.SELF_MASK) for u in sorted(self.survivors)]
         needed += [(v, ShareKind.MASK_KEY) for v in sorted(self._dropped_needed)]
         for key in needed:
@@ -327,35 +338,62 @@ class SecAggServer:
             if len(got) < cfg.t:
                 what = "self-mask" if key[1] is ShareKind.SELF_MASK else "masking key"
                 raise Aborted(f"only {len(got)} of {cfg.t} shares of client {key[0]}'s {what}")
-            secrets[key] = got
+        secrets = self._recover_all({key: shares[key] for key in needed})
         masks = []
         for u in sorted(self.survivors):
-            seed = self._recover(
-                secrets[(u, ShareKind.SELF_MASK)],
-                lambda b, u=u: kx.commit(b) == self._commitments[u],
-                f"client {u}'s self-mask (commitment)",
-            )
-            masks.append((seed, -1))
+            masks.append((secrets[(u, ShareKind.SELF_MASK)], -1))
         for v in sorted(self._dropped_needed):
-            raw = self._recover(
-                secrets[(v, ShareKind.MASK_KEY)],
-                lambda b, v=v: kx.public_bytes(kx.private_key_from_bytes(b)) == self._keys[v].s_pk,
-                f"client {v}'s masking key (public key)",
-            )
-            sk = kx.private_key_from_bytes(raw)
+            sk = kx.private_key_from_bytes(secrets[(v, ShareKind.MASK_KEY)])
             for w in sorted(self.survivors):
                 if v in self._masked_with[w]:
                     shared = kx.agree(sk, self._keys[w].s_pk)
                     seed = kx.pair_seed(shared, cfg.run_id, cfg.round_id, v, w)
                     masks.append((seed, -1 if w < v else 1))  # undo w's +-PRG(s_wv)
-        vectors = [self._vectors[u] for u in sorted(self.survivors)]
-        self._result = combine(vectors, masks, cfg.dim, cfg.bits)
-        self._vectors = {}
+        total = self._sum
+        if total is None:  # unreachable: every survivor's vector is in the sum
+            raise Aborted("no masked input to unmask")
+        self._result = combine([], masks, cfg.dim, cfg.bits, out=total, accumulate=True)
+        self._sum = None
         self.status = Status.COMPLETED
         self.awaiting = set()
         return {}
 
     # --- helpers ------------------------------------------------------------
+
+    def _valid(self, key: tuple[int, ShareKind]) -> tuple[Callable[[bytes], bool], str]:
+        """How a reconstructed secret is checked, and what it is (for an abort reason)."""
+        c, kind = key
+        if kind is ShareKind.SELF_MASK:
+            return (lambda b: kx.commit(b) == self._commitments[c],
+                    f"client {c}'s self-mask (commitment)")
+        return (lambda b: kx.public_bytes(kx.private_key_from_bytes(b)) == self._keys[c].s_pk,
+                f"client {c}'s masking key (public key)")
+
+    def _recover_all(
+        self, points: dict[tuple[int, ShareKind], list[tuple[int, bytes]]]
+    ) -> dict[tuple[int, ShareKind], bytes]:
+        """Every secret from its first t shares, checked; secrets whose first t holders
+        coincide share one set of Lagrange coefficients. A secret that fails its check
+        (or a group that fails to reconstruct) goes through :meth:`_recover`."""
+        t = self.config.t
+        groups: dict[tuple[int, ...], list[tuple[int, ShareKind]]] = {}
+        for key, pts in points.items():
+            groups.setdefault(tuple(x for x, _ in pts[:t]), []).append(key)
+        out = {}
+        for xs, keys in groups.items():
+            try:
+                values: list[bytes | None] = list(
+                    reconstruct_secrets(xs, [[s for _, s in points[key][:t]] for key in keys])
+                )
+            except ProtocolError:
+                values = [None] * len(keys)
+            for key, value in zip(keys, values, strict=True):
+                valid, what = self._valid(key)
+                if value is not None and valid(value):
+                    out[key] = value
+                else:
+                    out[key] = self._recover(points[key], valid, what)
+        return out
 
     def _recover(
         self, points: list[tuple[int, bytes]], valid: Callable[[bytes], bool], what: str
@@ -370,6 +408,20 @@ class SecAggServer:
             if valid(secret):
                 return secret
         raise Aborted(f"shares of {what} do not reconstruct a matching value")
+
+    def _add_vector(self, sender: int, vector: np.ndarray) -> None:
+        """Add an accepted masked vector into the running sum as it arrives."""
+        if self._sum is None:
+            self._sum = np.array(vector, dtype=self.config.word_dtype)
+        else:
+            np.add(self._sum, vector, out=self._sum)
+        self._summed[sender] = vector
+
+    def _remove_vector(self, sender: int) -> None:
+        """Take a vector back out of the running sum (its sender was rejected)."""
+        vector = self._summed.pop(sender, None)
+        if vector is not None and self._sum is not None:
+            np.subtract(self._sum, vector, out=self._sum)
 
     def _prune(self, active: set[int], what: str) -> set[int]:
         """Leave out clients with fewer than t neighbours in ``active``, until stable."""
@@ -399,15 +451,18 @@ class SecAggServer:
         self.rejected.setdefault(sender, reason)
         self.awaiting.discard(sender)
         self._received.pop(sender, None)
+        if self.stage is Stage.MASKED_INPUT:
+            self._remove_vector(sender)
 
     def _abort(self, reason: str) -> None:
         self.status = Status.ABORTED
         self.abort_reason = reason
         self.awaiting = set()
-        self._vectors = {}
+        self._summed, self._sum = {}, None
 
-    def _clock(self, stage: Stage, started: float) -> None:
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
+    def _clock(self, stage: Stage, started: tuple[float, float]) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started[0]
+        self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + time.thread_time() - started[1]
 
     def _header(self, kind: MsgType, client: int) -> Header:
         return Header(kind, self.config.run_id, self.config.round_id, client)

@@ -16,6 +16,7 @@ exhaustively in a small field, since the code is generic in the prime).
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from functools import lru_cache
@@ -48,29 +49,60 @@ def split(secret: int, t: int, xs: Sequence[int], *, prime: int = PRIME) -> list
 
 def reconstruct(points: Sequence[tuple[int, int]], *, prime: int = PRIME) -> int:
     """f(0) of the polynomial through all given (x, y) points (Lagrange at zero)."""
-    if not points:
-        raise ProtocolError("no shares to reconstruct from")
     xs = tuple(x for x, _ in points)
+    return reconstruct_many(xs, [[y for _, y in points]], prime=prime)[0]
+
+
+def reconstruct_many(
+    xs: Sequence[int], ys: Sequence[Sequence[int]], *, prime: int = PRIME
+) -> list[int]:
+    """f(0) for each row of ``ys``, all shared at the same ``xs``.
+
+    The Lagrange coefficients depend only on the x-coordinates, so they are computed
+    once (and cached per x-set) and each secret costs one dot product.
+    """
+    xs = tuple(xs)
+    if not xs:
+        raise ProtocolError("no shares to reconstruct from")
     if len(set(xs)) != len(xs) or any(not 0 < x < prime for x in xs):
         raise ProtocolError("share x-coordinates must be distinct and in [1, prime)")
-    if any(not 0 <= y < prime for _, y in points):
-        raise ProtocolError("share value outside the field")
-    coeffs = _lagrange_at_zero(xs, prime)
-    return sum(c * y for c, (_, y) in zip(coeffs, points, strict=True)) % prime
+    coeffs = lagrange_at_zero(xs, prime)
+    out = []
+    for row in ys:
+        if len(row) != len(xs):
+            raise ProtocolError(f"{len(row)} share values for {len(xs)} x-coordinates")
+        if any(not 0 <= y < prime for y in row):
+            raise ProtocolError("share value outside the field")
+        out.append(sum(c * y for c, y in zip(coeffs, row, strict=True)) % prime)
+    return out
 
 
 @lru_cache(maxsize=4096)
-def _lagrange_at_zero(xs: tuple[int, ...], prime: int) -> tuple[int, ...]:
-    """Coefficients l_i(0) = prod_{j != i} x_j / (x_j - x_i); cached per holder set."""
-    out = []
-    for i, xi in enumerate(xs):
-        num, den = 1, 1
-        for j, xj in enumerate(xs):
-            if j != i:
-                num = num * xj % prime
-                den = den * (xj - xi) % prime
-        out.append(num * pow(den, -1, prime) % prime)
-    return tuple(out)
+def lagrange_at_zero(xs: tuple[int, ...], prime: int = PRIME) -> tuple[int, ...]:
+    """Coefficients l_i(0) = prod_{j != i} x_j / (x_j - x_i) mod prime (distinct, nonzero xs).
+
+    l_i(0) = X / (x_i * prod_{j != i} (x_j - x_i)) with X = prod_j x_j. The
+    x-coordinates are small (holder positions), so the products are exact integer
+    products, reduced once; the t denominators are inverted together with one modular
+    inversion (Montgomery's trick). Cached per x-set.
+    """
+    total = math.prod(xs) % prime
+    dens = [xi * math.prod(xj - xi for xj in xs if xj != xi) % prime for xi in xs]
+    return tuple(total * inv % prime for inv in _batch_inverse(dens, prime))
+
+
+def _batch_inverse(values: list[int], prime: int) -> list[int]:
+    """Inverses of nonzero field elements with one pow(): prefix products, then unwind."""
+    prefix, acc = [], 1
+    for v in values:
+        prefix.append(acc)
+        acc = acc * v % prime
+    inv = pow(acc, -1, prime)
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = inv * prefix[i] % prime
+        inv = inv * values[i] % prime
+    return out
 
 
 def split_secret(secret: bytes, t: int, xs: Sequence[int]) -> list[bytes]:
@@ -83,12 +115,27 @@ def split_secret(secret: bytes, t: int, xs: Sequence[int]) -> list[bytes]:
 
 def reconstruct_secret(points: Sequence[tuple[int, bytes]]) -> bytes:
     """The 32-byte secret from (x, 33-byte share) points; ProtocolError if inconsistent."""
-    ints = []
-    for x, share in points:
-        if len(share) != SHARE_BYTES:
-            raise ProtocolError(f"a share must be {SHARE_BYTES} bytes, got {len(share)}")
-        ints.append((x, int.from_bytes(share, "little")))
-    value = reconstruct(ints)
-    if value >= 1 << (8 * SECRET_BYTES):
-        raise ProtocolError("shares do not reconstruct a 32-byte secret")
-    return value.to_bytes(SECRET_BYTES, "little")
+    xs = tuple(x for x, _ in points)
+    return reconstruct_secrets(xs, [[share for _, share in points]])[0]
+
+
+def reconstruct_secrets(xs: Sequence[int], shares: Sequence[Sequence[bytes]]) -> list[bytes]:
+    """32-byte secrets from rows of 33-byte shares, all held at the same ``xs``.
+
+    One set of Lagrange coefficients serves every row; ProtocolError if a share is
+    malformed or a row does not reconstruct a 32-byte value.
+    """
+    rows = []
+    for row in shares:
+        ints = []
+        for share in row:
+            if len(share) != SHARE_BYTES:
+                raise ProtocolError(f"a share must be {SHARE_BYTES} bytes, got {len(share)}")
+            ints.append(int.from_bytes(share, "little"))
+        rows.append(ints)
+    out = []
+    for value in reconstruct_many(xs, rows):
+        if value >= 1 << (8 * SECRET_BYTES):
+            raise ProtocolError("shares do not reconstruct a 32-byte secret")
+        out.append(value.to_bytes(SECRET_BYTES, "little"))
+    return out

@@ -4,12 +4,16 @@
 the default: its folder is created, and every connection turns on WAL (so a reader, e.g.
 ``fedring show`` in another process, never blocks the running server and sees each
 committed round), foreign keys, a 30 s busy timeout and ``synchronous=NORMAL`` (durable
-against a crashed process, which is what resume needs). PostgreSQL works through
+against a crashed process, which is what resume needs). A new SQLite file gets 64 KiB
+pages: a checkpoint of a million parameters is then about 70 page writes instead of 1,100
+(three times faster here), and small round records got faster too. PostgreSQL works through
 psycopg 3: ``postgresql+psycopg://user:pw@host:5432/db`` (a bare ``postgresql://`` is
 taken to mean psycopg too). The schema is created with ``metadata.create_all``.
 
 Every public method is its own transaction; ``record_round`` writes the round row and all
-its update rows atomically.
+its update rows atomically. ``save_checkpoint_in_background`` writes a checkpoint on a
+writer thread, off the caller's critical path; the store's later writes of rounds and runs,
+and its checkpoint reads, wait for that write first, so writes stay in order.
 
 Values and JSON
 ---------------
@@ -43,6 +47,8 @@ import operator
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from copy import deepcopy
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -188,6 +194,21 @@ def _int(value: Any, what: str, *, minimum: int | None = None, nullable: bool = 
     return out
 
 
+def _checkpoint_args(rnd: Any, version: Any, keep: Any,
+                     params: Any) -> tuple[int, int, int]:
+    """Checked (round, model_version, keep) of a checkpoint; params must be flat float32."""
+    checked = (_int(rnd, "round", minimum=0), _int(version, "model_version", minimum=0),
+               _int(keep, "keep", minimum=1))
+    if not isinstance(params, np.ndarray) or params.ndim != 1 or params.dtype != np.float32:
+        desc = (
+            f"{params.dtype} array of shape {params.shape}"
+            if isinstance(params, np.ndarray)
+            else type(params).__name__
+        )
+        raise ValueError(f"params must be a flat float32 numpy array, got a {desc}")
+    return checked
+
+
 def _float_column(value: Any, what: str) -> float | None:
     """A nullable Float column: NaN is stored as NULL (see the module docstring)."""
     if value is None:
@@ -331,6 +352,7 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     try:
         cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA page_size=65536")  # takes effect only on a new, empty database
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
@@ -381,6 +403,10 @@ class Store:
         self._engine = _make_engine(self._parsed)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._closed = False
+        # Background checkpoints: one writer thread, at most one write in flight.
+        self._writer: ThreadPoolExecutor | None = None
+        self._in_flight: Future[str] | None = None
+        self._snapshot: np.ndarray | None = None  # params copy reused by background saves
         try:
             _create_schema(self._engine)
         except BaseException:
@@ -397,8 +423,21 @@ class Store:
         return f"Store({self.display_url()!r})"
 
     def close(self) -> None:
-        self._closed = True
-        self._engine.dispose()
+        """Finish a background checkpoint (raising its error, if any) and close."""
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._writer is not None:
+                self._writer.shutdown()
+            self._engine.dispose()
+
+    def flush(self) -> None:
+        """Wait for the background checkpoint write, if one is in flight; a failed write
+        raises its error here (once)."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.result()
 
     def __enter__(self) -> Store:
         return self
@@ -445,11 +484,14 @@ class Store:
         if summary is not None and not isinstance(summary, Mapping):
             raise TypeError(f"summary must be a dict or None, got {type(summary).__name__}")
         encoded = None if summary is None else _to_json(summary, "summary")
-        with self._session() as s, s.begin():
-            row = self._run_row(s, run_id)
-            row.status = status
-            row.finished_at = _now()
-            row.summary = encoded
+        try:
+            self.flush()  # a failed checkpoint write raises, after the status is written
+        finally:
+            with self._session() as s, s.begin():
+                row = self._run_row(s, run_id)
+                row.status = status
+                row.finished_at = _now()
+                row.summary = encoded
 
     def reopen_run(self, run_id: str, *, after_round: int) -> None:
         """Mark a run running again to resume it after ``after_round`` (its last checkpoint).
@@ -458,6 +500,7 @@ class Store:
         records them again, so none is counted twice.
         """
         rnd = _int(after_round, "after_round")
+        self.flush()
         with self._session() as s, s.begin():
             row = self._run_row(s, run_id)
             row.status = "running"
@@ -552,6 +595,7 @@ class Store:
         if isinstance(updates, UpdateRecord | str | bytes | Mapping):
             raise TypeError(f"{where}: updates must be a sequence of UpdateRecord")
         rows = [self._update_row(run_id, rnd, i, u) for i, u in enumerate(updates)]
+        self.flush()  # a recorded round implies the checkpoint saved before it is complete
         with self._session() as s, s.begin():
             self._run_row(s, run_id)
             s.execute(delete(UpdateRow).where(UpdateRow.run_id == run_id, UpdateRow.round == rnd))
@@ -731,16 +775,46 @@ class Store:
     ) -> str:
         """Store params (flat float32) and state; keep the ``keep`` newest checkpoints of
         the run (highest rounds) and delete older ones. Returns the payload's sha256 hex."""
-        rnd = _int(round, "round", minimum=0)
-        version = _int(model_version, "model_version", minimum=0)
-        keep = _int(keep, "keep", minimum=1)
-        if not isinstance(params, np.ndarray) or params.ndim != 1 or params.dtype != np.float32:
-            desc = (
-                f"{params.dtype} array of shape {params.shape}"
-                if isinstance(params, np.ndarray)
-                else type(params).__name__
-            )
-            raise ValueError(f"params must be a flat float32 numpy array, got a {desc}")
+        rnd, version, keep = _checkpoint_args(round, model_version, keep, params)
+        self.flush()
+        return self._write_checkpoint(run_id, rnd, version, keep, params, state)
+
+    def save_checkpoint_in_background(
+        self,
+        run_id: str,
+        *,
+        round: int,
+        model_version: int,
+        params: np.ndarray,
+        state: dict,
+        keep: int = 2,
+    ) -> None:
+        """``save_checkpoint`` on a writer thread, off the caller's critical path.
+
+        ``params`` and ``state`` are copied before this returns, so the caller may change
+        them at once. At most one write is in flight: this call, the store's later writes
+        of rounds and runs, and its checkpoint reads wait for the previous one first, so a
+        crash loses at most the checkpoint being written and resume finds the one before
+        it. ``flush()`` (and ``close()``) wait for the write and raise its error, if any.
+        """
+        rnd, version, keep = _checkpoint_args(round, model_version, keep, params)
+        self.flush()
+        if self._closed:
+            raise StoreError(f"store {self.display_url()} is closed")
+        if isinstance(self._engine.pool, StaticPool):  # one shared in-memory connection
+            self._write_checkpoint(run_id, rnd, version, keep, params, state)
+            return
+        snapshot = self._snapshot
+        if snapshot is None or snapshot.shape != params.shape:
+            snapshot = self._snapshot = np.empty_like(params)
+        np.copyto(snapshot, params)  # reused: the previous write has finished with it
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="fedring-checkpoint")
+        self._in_flight = self._writer.submit(self._write_checkpoint, run_id, rnd, version,
+                                              keep, snapshot, deepcopy(state))
+
+    def _write_checkpoint(self, run_id: str, rnd: int, version: int, keep: int,
+                          params: np.ndarray, state: dict) -> str:
         payload = pack_state(params, state)
         digest = hashlib.sha256(payload).hexdigest()
         with self._session() as s, s.begin():
@@ -781,6 +855,7 @@ class Store:
         if round is not None:
             query = query.where(CheckpointRow.round == _int(round, "round"))
         query = query.order_by(CheckpointRow.round.desc(), CheckpointRow.id.desc()).limit(1)
+        self.flush()
         with self._session() as s:
             self._run_row(s, run_id)
             row = s.scalars(query).first()

@@ -109,6 +109,14 @@ def test_decoders_reject_duplicates_and_bad_values():
     big = m.UnmaskResponse((RevealedShare(3, ShareKind.SELF_MASK, b"\xff" * 33),))
     with pytest.raises(ProtocolError, match="outside the field"):
         m.decode_unmask_response(m.encode_unmask_response(h, big))
+    for value, ok in ((2**256 + 296, True), (2**256 + 297, False)):  # the prime's edge
+        share = RevealedShare(3, ShareKind.MASK_KEY, value.to_bytes(33, "little"))
+        one = m.UnmaskResponse((share,))
+        if ok:
+            assert m.decode_unmask_response(m.encode_unmask_response(h, one))[1] == one
+        else:
+            with pytest.raises(ProtocolError, match="outside the field"):
+                m.decode_unmask_response(m.encode_unmask_response(h, one))
     twice = m.ShareKeys(((3, _ct()), (3, _ct())))
     with pytest.raises(ProtocolError, match="duplicate client id"):
         m.decode_share_keys(m.encode_share_keys(_h(MsgType.SHARE_KEYS), twice))

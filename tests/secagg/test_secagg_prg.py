@@ -62,3 +62,17 @@ def test_masks_cancel_when_added_and_subtracted():
     np.testing.assert_array_equal(out, x)
     with pytest.raises(ValueError, match="contiguous array"):
         combine([x], [], dim, 32, out=np.empty(dim, dtype=np.uint64))
+
+
+@pytest.mark.parametrize("bits", [13, 32])
+def test_combine_can_add_into_what_out_holds(bits):
+    rng = np.random.default_rng(3)
+    dim = CHUNK_BYTES // 4 + 5
+    start = rng.integers(0, 1 << 32, dim, dtype=np.uint64).astype("<u4")  # not yet mod 2^bits
+    masks = [(os.urandom(32), 1), (os.urandom(32), -1)]
+    out = start.copy()
+    assert combine([], masks, dim, bits, out=out, accumulate=True) is out
+    expected = (start.astype(np.uint64) + combine([], masks, dim, 32)) % (1 << bits)
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match="accumulate needs out"):
+        combine([], masks, dim, bits, accumulate=True)

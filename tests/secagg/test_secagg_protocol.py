@@ -209,3 +209,53 @@ def test_client_refuses_out_of_order_and_setup_of_other_round(make_inputs):
     client.handle(encode_setup(config, 1))
     with pytest.raises(ProtocolError, match="not expected"):
         client.handle(encode_setup(config, 1))
+
+
+def test_restored_sessions_need_no_key_agreement_and_keep_no_private_key(
+    make_inputs, exact_sum, monkeypatch
+):
+    from privacy.secagg import SecAggConfig, SecAggServer
+    from privacy.secagg import keys as kx
+
+    inputs = make_inputs(5, 100, 32)
+    config = SecAggConfig.create([1, 2, 3, 4, 5], 100, k=4, t=2, run_id=2, round_id=1)
+    server = SecAggServer(config)
+    states = {c: SecAggClient(c).export_state() for c in range(1, 6)}
+    private: dict[int, list[bytes]] = {}
+    agreements = []
+    real_agree = kx.agree
+    monkeypatch.setattr(kx, "agree", lambda *a: agreements.append(1) or real_agree(*a))
+    outbox = server.start()
+    while server.status is Status.RUNNING:
+        stage = server.stage
+        for c, payload in outbox.items():
+            before = len(agreements)
+            client = SecAggClient.from_state(states[c])
+            assert len(agreements) == before  # restoring derives nothing
+            if stage is Stage.SHARE_KEYS:  # the keys made at SETUP, used once here
+                private[c] = [kx.private_bytes(client._c_sk), kx.private_bytes(client._s_sk)]
+                assert all(key in states[c] for key in private[c])
+            client.set_input(inputs[c - 1])
+            server.receive(c, client.handle(payload))
+            states[c] = client.export_state()
+            if stage is Stage.MASKED_INPUT:  # pair seeds were derived with the shares
+                assert len(agreements) == before
+            if stage >= Stage.SHARE_KEYS:
+                assert not any(key in states[c] for key in private[c])
+        outbox = server.advance()
+    np.testing.assert_array_equal(server.result(), exact_sum(inputs, [1, 2, 3, 4, 5], 32))
+    assert set(server.cpu_seconds) == set(DROP_STAGES)
+
+
+def test_client_state_must_match_its_stage():
+    from privacy.secagg import ProtocolError, SecAggConfig
+    from privacy.secagg.messages import encode_setup
+
+    config = SecAggConfig.create([1, 2, 3], 10, k=2, t=1)
+    client = SecAggClient(1)
+    client.handle(encode_setup(config, 1))
+    state = bytearray(client.export_state())
+    state[3] = Stage.SHARE_KEYS  # the stage byte: keys but no neighbour secrets
+    with pytest.raises(ProtocolError, match="does not match stage SHARE_KEYS"):
+        SecAggClient.from_state(bytes(state))
+    assert SecAggClient.from_state(client.export_state()).stage is Stage.ADVERTISE_KEYS

@@ -246,3 +246,20 @@ def test_corrupted_share_is_caught_by_the_commitment(make_inputs, exact_sum):
     total, server = run_secagg_round(inputs, k=4, t=4, intercept=_corrupt_b_share_of(2, 1))
     assert total is None and server.status is Status.ABORTED
     assert "client 2's self-mask (commitment)" in server.abort_reason
+
+
+def test_duplicate_masked_input_is_taken_back_out_of_the_sum(lockstep, make_inputs, exact_sum):
+    inputs = make_inputs(5, DIM, 32)
+    r = lockstep(inputs, k=4, t=2)
+    r.step()
+    r.step()
+    replies = r.deliver()
+    s = r.server
+    for c in (1, 2, 3, 4, 5):
+        assert s.receive(c, replies[c])
+    assert not s.receive(2, replies[2])  # its vector was already added as it arrived
+    assert s.rejected[2] == "duplicate message in stage MASKED_INPUT"
+    r.outbox = s.advance()
+    r.step()
+    assert s.status is Status.COMPLETED and 2 not in s.survivors
+    np.testing.assert_array_equal(s.result(), exact_sum(inputs, [1, 3, 4, 5], 32))

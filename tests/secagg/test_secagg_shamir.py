@@ -12,8 +12,11 @@ import pytest
 from privacy.secagg import ProtocolError
 from privacy.secagg.shamir import (
     PRIME,
+    lagrange_at_zero,
     reconstruct,
+    reconstruct_many,
     reconstruct_secret,
+    reconstruct_secrets,
     split,
     split_secret,
 )
@@ -93,3 +96,39 @@ def test_split_and_reconstruct_errors():
         reconstruct([])
     with pytest.raises(ProtocolError, match="33 bytes"):
         reconstruct_secret([(1, b"\0" * 32)])
+
+
+def _naive_lagrange_at_zero(xs, prime):
+    """l_i(0) = prod_{j != i} x_j / (x_j - x_i), one modular inversion per coefficient."""
+    out = []
+    for i, xi in enumerate(xs):
+        num, den = 1, 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                num, den = num * xj % prime, den * (xj - xi) % prime
+        out.append(num * pow(den, -1, prime) % prime)
+    return tuple(out)
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 50])
+@pytest.mark.parametrize("prime", [PRIME, 7919])
+def test_batched_lagrange_coefficients_match_the_textbook_formula(t, prime):
+    xs = tuple(random.Random(t).sample(range(1, 7919), t))
+    assert lagrange_at_zero(xs, prime) == _naive_lagrange_at_zero(xs, prime)
+
+
+def test_secrets_at_shared_points_reconstruct_like_one_at_a_time():
+    t, xs = 5, [4, 9, 11, 20, 31, 32, 40]
+    secrets_ = [os.urandom(32) for _ in range(6)]
+    shares = [split_secret(s, t, xs) for s in secrets_]
+    subset = [1, 2, 4, 5, 6]  # any t holders, the same for every secret
+    at = [xs[i] for i in subset]
+    rows = [[row[i] for i in subset] for row in shares]
+    assert reconstruct_secrets(at, rows) == secrets_
+    assert [reconstruct_secret(list(zip(at, r, strict=True))) for r in rows] == secrets_
+    ints = [[int.from_bytes(b, "little") for b in r] for r in rows]
+    assert reconstruct_many(at, ints) == [int.from_bytes(s, "little") for s in secrets_]
+    with pytest.raises(ProtocolError, match="4 share values for 5"):
+        reconstruct_many(at, [ints[0][:4]])
+    with pytest.raises(ProtocolError, match="distinct"):
+        reconstruct_secrets([4, 4, 9, 11, 20], rows)

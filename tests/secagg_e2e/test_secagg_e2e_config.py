@@ -42,7 +42,7 @@ def test_too_few_bits_for_the_clients_is_refused():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (['dp.mode="central"', 'aggregation.weight_by="uniform"'], "dp.mode = 'central'"),
+    (['dp.mode="local"', 'aggregation.weight_by="uniform"'], "dp.mode = 'local'"),
     (["aggregation.max_norm=5.0"], "cannot see an update to check its norm"),
     (['secagg.neighbors="full"', "secagg.threshold=30"], "exceeds the 19 neighbours"),
     (["secagg.neighbors=0"], "secagg.neighbors must be"),

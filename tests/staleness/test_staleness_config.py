@@ -51,7 +51,7 @@ def test_driver_staleness_reaches_the_aggregation_pipeline():
     (["driver.concurrency=21"], "driver.concurrency (21) exceeds federation.clients"),
     (["driver.kind=fedasync", "aggregation.combine=median"], "needs aggregation.combine 'mean'"),
     (["driver.kind=fedbuff", "driver.late_policy=carry"], "'carry' is for the sync driver"),
-    (["driver.kind=fedbuff", "secagg.enabled=true"], "cannot run with [secagg] yet"),
+    (["driver.kind=fedasync", "secagg.enabled=true"], "a single update cannot be hidden"),
     (["driver.kind=fedasync", "dp.mode=central", "dp.noise_multiplier=1.0",
       "aggregation.weight_by=uniform"], "cannot run with [dp]"),
     (["driver.kind=fedbuff", "driver.buffer_size=4", "aggregation.combine=krum",

@@ -1,0 +1,373 @@
+"""Cross-silo rounds: the silos sum their updates over a ring; the server coordinates and checks.
+
+Each round (``[driver] kind = "cross_silo"``) the server
+
+1. picks the participants among the connected silos it has not excluded, and their ring
+   order (seeded by the run seed and the round);
+2. sends every silo one ``train.cross_silo`` message: the model, its version, the task
+   and the silo's place in the ring (rendezvous address, rank, size, timeouts,
+   algorithm, combine and weighting);
+3. hosts the rendezvous store the silos meet at (one per run; a prefix per round);
+4. receives the aggregate from the silo at ring rank 0 and a digest from every silo, and
+   checks that all digests agree with each other and with the sha256 of the aggregate;
+5. applies the aggregate through the pipeline's post stages and server optimizer, and
+   records the round with every silo's fate.
+
+A silo whose ring fails (a peer timed out or died) reports it, naming the ring ranks it
+blames; the server then stops waiting once every silent silo is named, and at the latest
+``[silo] ring_timeout_s`` + 5 s later. The round then fails and the model stays unchanged.
+Silos that caused it (no reply: hung or dead; an error of their own; a digest that
+disagrees) are excluded from later rounds, with the reason stored, so the next round runs
+without them. The round's metrics hold the ring's figures.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from client import wire
+from client.silo_app import (
+    AGGREGATE_RECORD,
+    CROSS_SILO_ACTION,
+    MAX_NORM_KEY,
+    NORM_METRIC,
+    RESULT_RECORD,
+    RING_RECORD,
+    STATUS_OK,
+    WEIGHT_BY_KEY,
+    WEIGHT_METRIC,
+)
+from client.silo_ring import RingSpec, aggregate_digest
+from server.cross_silo_config import SiloConfig
+from server.store import UpdateRecord
+from server.sync_driver import SyncDriver, sample_nodes, wait_for_nodes
+
+MISSING, ERROR = "missing", "error"  # reply states besides the silo's own statuses
+
+
+@dataclass
+class SiloReply:
+    """What one silo answered (or that it did not)."""
+
+    node: int
+    rank: int
+    status: str  # ok, ring-timeout, ring-error, error or missing
+    reason: str = ""
+    rejected: str = ""  # why the silo kept its own update out (weight 0)
+    digest: str = ""
+    total_weight: float = 0.0
+    count: int = 0
+    ring_s: float = 0.0
+    num_examples: int | None = None
+    weight: float | None = None
+    norm: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    aggregate: np.ndarray | None = None
+
+
+def decode_reply(node: int, rank: int, reply: Message | None) -> SiloReply:
+    """A silo's reply as a :class:`SiloReply` (``missing`` or ``error`` when it is no answer)."""
+    if reply is None:
+        return SiloReply(node, rank, MISSING, "no reply before the deadline: the silo hung "
+                                              "or died")
+    if reply.has_error():
+        return SiloReply(node, rank, ERROR, f"silo error {reply.error.code}: "
+                                            f"{_first_line(reply.error.reason)}")
+    result = reply.content.get(RESULT_RECORD)
+    metrics = reply.content.get("metrics")
+    if not isinstance(result, ConfigRecord) or not isinstance(metrics, MetricRecord):
+        return SiloReply(node, rank, ERROR, f"reply lacks '{RESULT_RECORD}' or metrics")
+    numbers = {k: float(v) for k, v in metrics.items()
+               if isinstance(v, int | float) and not isinstance(v, bool)}
+    out = SiloReply(node, rank, str(result.get("status", ERROR)),
+                    reason=str(result.get("error", "")), rejected=str(result.get("rejected", "")),
+                    digest=str(result.get("digest", "")),
+                    total_weight=float(result.get("total-weight", 0.0)),
+                    count=int(result.get("count", 0)), ring_s=float(result.get("ring-s", 0.0)),
+                    weight=numbers.get(WEIGHT_METRIC), norm=numbers.get(NORM_METRIC),
+                    metrics=numbers)
+    examples = metrics.get(wire.NUM_EXAMPLES)
+    out.num_examples = int(examples) if isinstance(examples, int | float) else None
+    if out.status == STATUS_OK and rank == 0:
+        record = reply.content.get(AGGREGATE_RECORD)
+        try:
+            if not isinstance(record, ArrayRecord):
+                raise wire.WireError(f"ring rank 0's reply lacks '{AGGREGATE_RECORD}'")
+            out.aggregate = np.array(wire.read_delta(record), dtype=np.float32)
+        except wire.WireError as exc:
+            out.status, out.reason = ERROR, f"bad aggregate: {exc}"
+    return out
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    return text.strip().splitlines()[0][:limit] if text.strip() else "no details"
+
+
+@dataclass
+class CrossSiloOutcome:
+    """One cross-silo round: the silos' replies, the verdict and who is to blame."""
+
+    order: list[int]  # node ids in ring order
+    silos: list[SiloReply]
+    aggregate: np.ndarray | None = None  # set when the round completed
+    total_weight: float = 0.0
+    count: int = 0
+    failure: str = ""
+    blamed: dict[int, str] = field(default_factory=dict)  # node -> why it is excluded
+
+    @property
+    def completed(self) -> bool:
+        return self.aggregate is not None
+
+    def records(self, version: int) -> list[UpdateRecord]:
+        """Every silo's fate: accepted, rejected (why) or dropped (no reply)."""
+        out = []
+        for s in self.silos:
+            where = f"ring rank {s.rank} of {len(self.order)}"
+            common = {"num_examples": s.num_examples, "base_version": version, "staleness": 0,
+                      "norm": s.norm, "metrics": s.metrics}
+            if self.completed and s.rejected:
+                out.append(UpdateRecord(str(s.node), "rejected", reason=s.rejected, **common))
+            elif self.completed:
+                out.append(UpdateRecord(str(s.node), "accepted", weight=s.weight, **common))
+            elif s.status == MISSING:
+                out.append(UpdateRecord(str(s.node), "dropped", reason=f"{s.reason} ({where})"))
+            else:
+                why = self.blamed.get(s.node) or (f"ring failed at {where}: {s.reason}"
+                                                  if s.reason else f"round failed: {self.failure}")
+                out.append(UpdateRecord(str(s.node), "rejected", reason=why, **common))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """The ring's figures for the round's metrics."""
+        replied = [s for s in self.silos if s.status == STATUS_OK]
+        out = {"ring_silos": float(len(self.order)), "ring_failed": float(not self.completed),
+               "ring_excluded": float(len(self.blamed))}
+        if self.completed:
+            out.update(ring_total_weight=self.total_weight, ring_count=float(self.count),
+                       ring_s=max((s.ring_s for s in replied), default=0.0))
+        return out
+
+
+def judge(order: list[int], replies: dict[int, Message], dim: int) -> CrossSiloOutcome:
+    """The verdict on a round's replies: the aggregate, or the failure and whom to exclude."""
+    silos = [decode_reply(node, rank, replies.get(node)) for rank, node in enumerate(order)]
+    outcome = CrossSiloOutcome(order=list(order), silos=silos)
+    for s in silos:
+        if s.status in (MISSING, ERROR):
+            outcome.blamed[s.node] = f"{s.reason} (ring rank {s.rank})"
+    failed = [s for s in silos if s.status != STATUS_OK]
+    if failed:
+        first = next((s for s in failed if s.status not in (MISSING, ERROR)), failed[0])
+        outcome.failure = (f"{len(failed)} of {len(silos)} silo(s) failed; ring rank "
+                           f"{first.rank} (node {first.node}): {first.status}: {first.reason}")
+        return outcome
+    leader = silos[0]
+    aggregate = leader.aggregate
+    if aggregate is None or aggregate.shape != (dim,) or not np.all(np.isfinite(aggregate)):
+        shape = None if aggregate is None else aggregate.shape
+        outcome.blamed[leader.node] = (f"ring rank 0 sent an aggregate of shape {shape} or "
+                                       f"with NaN/Inf, expected {dim} finite values")
+        outcome.failure = outcome.blamed[leader.node]
+        return outcome
+    # The digest most silos report is the ring's result; a silo that disagrees is wrong,
+    # and so is an aggregate whose own digest is not that one.
+    votes = collections.Counter(s.digest for s in silos)
+    own = aggregate_digest(aggregate, leader.total_weight, leader.count)
+    consensus = max(votes, key=lambda d: (votes[d], d == own))
+    for s in silos:
+        if s.digest != consensus:
+            outcome.blamed[s.node] = (f"digest {s.digest[:12]} differs from the ring's "
+                                      f"{consensus[:12]} (ring rank {s.rank})")
+    if own != consensus:
+        outcome.blamed[leader.node] = (f"the aggregate's sha256 {own[:12]} differs from the "
+                                       f"digest the silos report, {consensus[:12]}")
+    if outcome.blamed:
+        outcome.failure = f"digest mismatch: {len(outcome.blamed)} silo(s) disagree"
+        return outcome
+    if leader.total_weight <= 0:
+        outcome.failure = "no silo contributed an update (every weight was zero)"
+        return outcome
+    outcome.aggregate = aggregate
+    outcome.total_weight, outcome.count = leader.total_weight, leader.count
+    return outcome
+
+
+class Rendezvous:
+    """The key-value store silos meet at: hosted by the server for the whole run."""
+
+    def __init__(self, silo: SiloConfig) -> None:
+        import torch.distributed as dist
+
+        self.host = silo.rendezvous_host
+        self.store = dist.TCPStore(silo.rendezvous_host, silo.rendezvous_port, None,
+                                   is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=silo.join_timeout_s))
+        self.port = int(self.store.port)
+
+
+class CrossSiloDriver(SyncDriver):
+    """Synchronous rounds whose aggregate the silos compute among themselves over a ring."""
+
+    def __init__(self, grid: Any, **kwargs: Any) -> None:
+        super().__init__(grid, **kwargs)
+        self.silo = SiloConfig(**self.config.get("silo", {}))
+        agg = self.config["aggregation"]
+        self.combine, self.weight_by = agg["combine"], agg["weight_by"]
+        self.max_norm = float(agg["max_norm"])
+        self.excluded: dict[int, str] = {}  # node -> why it takes no further part
+        self.rendezvous: Rendezvous | None = None
+        self.last: CrossSiloOutcome | None = None
+
+    def run(self, run_id: str | None = None) -> dict[str, Any]:
+        self.rendezvous = Rendezvous(self.silo)
+        try:
+            return super().run(run_id)
+        finally:
+            self.rendezvous = None  # the store stops with its last reference
+
+    def _budget_stop(self) -> bool:
+        if super()._budget_stop():
+            return True
+        if not self.excluded:
+            return False
+        left = [n for n in self.grid.get_node_ids() if n not in self.excluded]
+        if len(left) >= self.fed.min_clients:
+            return False
+        self.stop_reason = (f"stopped before round {self.state.round + 1}: {len(left)} silo(s) "
+                            f"left after excluding {sorted(self.excluded)}, "
+                            f"federation.min_clients is {self.fed.min_clients}")
+        self.reporter.message(self.stop_reason)
+        return True
+
+    def ring_order(self, rnd: int) -> list[int]:
+        """This round's participants, in ring order (excluded silos left out)."""
+        nodes = wait_for_nodes(self.grid, self.fed)
+        eligible = [n for n in nodes if n not in self.excluded]
+        sampled = sample_nodes(eligible, self.fed, self.seed, rnd)
+        cap = self.driver.concurrency
+        rng = np.random.default_rng([self.seed, rnd, 2])
+        if cap and len(sampled) > cap:
+            sampled = sorted(sampled[int(i)] for i in rng.choice(len(sampled), cap,
+                                                                   replace=False))
+        return [sampled[int(i)] for i in rng.permutation(len(sampled))]
+
+    def _messages(self, run_id: str, rnd: int, order: list[int]) -> list[Message]:
+        assert self.rendezvous is not None
+        prefix = f"{run_id}/round-{rnd}/{uuid.uuid4().hex[:8]}"  # a rerun gets a fresh one
+        config = ConfigRecord({"server-round": rnd, wire.VERSION_KEY: self.state.version,
+                               wire.REPLY_KEY: "delta", wire.TASK_KEY: self.task_json,
+                               wire.SEED_KEY: self.seed})
+        arrays = wire.model_record(self.layout, self.state.params)
+        messages = []
+        for rank, node in enumerate(order):
+            spec = RingSpec(host=self.rendezvous.host, port=self.rendezvous.port, prefix=prefix,
+                            rank=rank, size=len(order), join_timeout_s=self.silo.join_timeout_s,
+                            ring_timeout_s=self.silo.ring_timeout_s,
+                            algorithm=self.silo.algorithm, backend=self.silo.backend,
+                            combine="sum" if self.combine == "sum" else "mean")
+            ring = ConfigRecord({**spec.to_dict(), WEIGHT_BY_KEY: self.weight_by,
+                                 MAX_NORM_KEY: self.max_norm})
+            content = RecordDict({"arrays": arrays, "config": config, RING_RECORD: ring})
+            messages.append(Message(content, node, f"train.{CROSS_SILO_ACTION}",
+                                    group_id=str(rnd)))
+        return messages
+
+    def _exchange(self, rnd: int, messages: list[Message]) -> dict[int, Message]:
+        """Push, then collect replies until all came or the deadline passed. Once a silo
+        reports a failure, stop waiting as soon as every silo still silent has been named by
+        a failure report (it hangs or is gone), and at the latest after a grace period for
+        the others' reports."""
+        pushed = set(self.grid.push_messages(messages))
+        node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in messages
+                   if m.metadata.message_id in pushed}
+        rank_of = {m.metadata.dst_node_id: rank for rank, m in enumerate(messages)}
+        pending, replies = set(node_of), {}
+        failed, named = False, set()  # ring ranks that failure reports point at
+        deadline = time.monotonic() + self.driver.deadline(self.fed.round_timeout_s)
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                msg_id = reply.metadata.reply_to_message_id
+                if msg_id not in pending:
+                    continue
+                pending.discard(msg_id)
+                replies[node_of[msg_id]] = reply
+                self.reporter.client_done(rnd, len(replies), len(messages))
+                result = None if reply.has_error() else reply.content.get(RESULT_RECORD)
+                if not isinstance(result, ConfigRecord) or result.get("status") != STATUS_OK:
+                    failed = True
+                    deadline = min(deadline, time.monotonic() + self.silo.failure_grace_s())
+                    peers = result.get("peers", []) if isinstance(result, ConfigRecord) else []
+                    named.update(int(p) for p in peers if isinstance(p, int))
+            if not pending or time.monotonic() >= deadline:
+                break
+            if failed and all(rank_of[node_of[i]] in named for i in pending):
+                break  # every silo still silent is the one the failures point at
+            time.sleep(self.fed.poll_s)
+        return replies
+
+    def run_round(self, run_id: str, rnd: int) -> dict[str, float]:
+        """One cross-silo round: send, let the silos aggregate, verify, apply, record."""
+        t0 = time.perf_counter()
+        state = self.state
+        order = self.ring_order(rnd)
+        self.reporter.round_started(rnd, len(order))
+        replies = self._exchange(rnd, self._messages(run_id, rnd, order))
+        outcome = judge(order, replies, self.layout.dim)
+        self.last = outcome
+        records = outcome.records(state.version)
+        if outcome.completed:
+            state.params = self.pipeline.apply(state.params, outcome.aggregate,
+                                               total_weight=outcome.total_weight,
+                                               count=outcome.count)
+            state.version += 1
+        else:
+            self.reporter.message(f"round {rnd}: cross-silo round failed: {outcome.failure}; "
+                                  "the model is unchanged")
+        for node, why in outcome.blamed.items():
+            self.excluded[node] = why
+            self.reporter.message(f"round {rnd}: silo {node} takes no further part: {why}")
+        state.round = rnd
+        metrics = {k: float(v) for k, v in self.task.evaluate(state.params).items()}
+        metrics.update(outcome.metrics())
+        losses = [(s.metrics["train_loss"], s.num_examples or 0) for s in outcome.silos
+                  if "train_loss" in s.metrics]
+        if losses and sum(w for _, w in losses) > 0:
+            metrics["train_loss"] = float(np.average([v for v, _ in losses],
+                                                     weights=[w for _, w in losses]))
+        if self.dp is not None:
+            spent = self.dp.end_round(released=outcome.completed)
+            self.store.record_privacy(run_id, round=rnd, mode=self.dp.config.mode,
+                                      accountant=self.dp.config.accountant,
+                                      epsilon=spent.epsilon, delta=spent.delta,
+                                      noise_multiplier=spent.noise_multiplier, clip=spent.clip,
+                                      sampling_rate=spent.sampling_rate)
+            metrics.update(epsilon=spent.epsilon, clip=spent.clip)
+        counts = {f: sum(r.fate == f for r in records) for f in ("accepted", "rejected",
+                                                                 "dropped")}
+        self.store.record_round(run_id, round=rnd, model_version=state.version,
+                                status="completed" if outcome.completed else "failed",
+                                num_sampled=len(order), num_replies=len(replies),
+                                num_accepted=counts["accepted"],
+                                num_rejected=counts["rejected"], num_dropped=counts["dropped"],
+                                metrics=metrics, wall_s=time.perf_counter() - t0,
+                                updates=records)
+        state.history.append(metrics)
+        if self.fed.checkpoint_every and (rnd % self.fed.checkpoint_every == 0
+                                          or rnd == self.fed.rounds):
+            self.store.save_checkpoint(run_id, round=rnd, model_version=state.version,
+                                       params=state.params,
+                                       state={"pipeline": self.pipeline.state_dict(),
+                                              "dp": self.dp.state_dict() if self.dp else {}})
+        self.reporter.round_finished(rnd, {**metrics, "accepted": float(counts["accepted"]),
+                                           "rejected": float(counts["rejected"]),
+                                           "dropped": float(counts["dropped"])})
+        return metrics

@@ -1,0 +1,98 @@
+"""The ``[silo]`` scenario section: how silos meet over the ring in cross-silo rounds.
+
+Cross-silo rounds run with ``[driver] kind = "cross_silo"``; ``check_cross_silo`` refuses
+the combinations the ring cannot honour, at start, naming the key to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aggregation.ring import ALGORITHMS
+
+CROSS_SILO = "cross_silo"
+RING_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class SiloConfig:
+    """``[silo]``: the ring's rendezvous, timeouts and algorithm.
+
+    The server hosts each round's rendezvous store on ``rendezvous_port`` (0: a free
+    port) and tells silos to reach it at ``rendezvous_host``, which must be an address
+    of the server's machine that every silo can reach. Silos wait for each other there
+    for up to ``join_timeout_s`` (training times differ); once the ring runs, a silo
+    that makes no progress for ``ring_timeout_s`` fails the round. ``backend`` "nccl"
+    needs a GPU in every silo.
+    """
+
+    rendezvous_host: str = "127.0.0.1"
+    rendezvous_port: int = 0
+    join_timeout_s: float = 120.0
+    ring_timeout_s: float = 30.0
+    algorithm: str = "ring"
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if not self.rendezvous_host.strip():
+            raise ValueError("silo.rendezvous_host must be an address silos can reach")
+        if not 0 <= self.rendezvous_port < 65536:
+            raise ValueError(f"silo.rendezvous_port must be a TCP port (0: any free port), "
+                             f"got {self.rendezvous_port}")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"silo.join_timeout_s must be > 0, got {self.join_timeout_s}")
+        if not self.ring_timeout_s > 0:
+            raise ValueError(f"silo.ring_timeout_s must be > 0, got {self.ring_timeout_s}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"silo.algorithm '{self.algorithm}' is unknown; choose one of: "
+                             f"{', '.join(ALGORITHMS)}")
+        if self.backend not in RING_BACKENDS:
+            raise ValueError(f"silo.backend '{self.backend}' is unknown; choose one of: "
+                             f"{', '.join(RING_BACKENDS)}")
+
+    def failure_grace_s(self) -> float:
+        """How long the server waits for the other silos' replies once one reports a failure."""
+        return self.ring_timeout_s + 5.0
+
+
+def check_cross_silo(config: Mapping[str, Any]) -> SiloConfig | None:
+    """The ``[silo]`` settings of a cross-silo scenario (None for other drivers), or a clear
+    error for a combination the ring cannot run."""
+    from server.config import FederationConfig
+    from server.driver_config import DriverConfig
+
+    driver = DriverConfig(**config.get("driver", {}))
+    if driver.kind != CROSS_SILO:
+        return None
+    silo = SiloConfig(**config.get("silo", {}))
+    agg = config["aggregation"]
+    if agg["combine"] not in ("mean", "sum"):
+        raise ValueError(f"driver.kind 'cross_silo' sums the silos' updates over a ring, so "
+                         f"the server never sees one; aggregation.combine "
+                         f"'{agg['combine']}' needs them all: use 'mean' or 'sum'")
+    dp_mode = config.get("dp", {}).get("mode", "off")
+    if dp_mode not in ("off", "local"):
+        raise ValueError(f"dp.mode '{dp_mode}' clips and noises individual updates on the "
+                         "server, which never sees them with driver.kind 'cross_silo': use "
+                         "dp.mode = 'local' (each silo noises its own update; the noise "
+                         "passes through the ring unchanged)")
+    if config.get("secagg", {}).get("enabled"):
+        raise ValueError("[secagg] runs through the server; with driver.kind 'cross_silo' the "
+                         "silos sum their updates among themselves: set secagg.enabled = false")
+    if config.get("compression", {}).get("kind", "none") != "none":
+        raise ValueError("driver.kind 'cross_silo' sums dense deltas over the ring; upload "
+                         "compression does not apply: set compression.kind = 'none'")
+    if driver.late_policy != "drop":
+        raise ValueError("driver.late_policy 'carry' has no meaning for cross-silo rounds: a "
+                         "ring waits for every silo or fails; set it to 'drop'")
+    fed = FederationConfig(**config["federation"])
+    deadline = driver.deadline(fed.round_timeout_s)
+    if deadline <= silo.join_timeout_s + silo.ring_timeout_s:
+        raise ValueError(f"the server waits {deadline:g} s for a cross-silo round "
+                         f"(driver.deadline_s, else federation.round_timeout_s), not more than "
+                         f"silo.join_timeout_s + silo.ring_timeout_s = "
+                         f"{silo.join_timeout_s + silo.ring_timeout_s:g} s: raise it or lower "
+                         "those")
+    return silo

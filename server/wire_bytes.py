@@ -1,0 +1,75 @@
+"""Bytes on the wire: a Grid that counts the array payload of what goes down and comes up.
+
+"Down" is the arrays of every message pushed (the model, once per client), "up" the
+arrays of every reply pulled (a dense or compressed delta, full weights, a masked
+vector). Array payloads are what grows with the model; the small config and metric
+records are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+
+def payload_bytes(message: Message) -> int:
+    """Bytes of the arrays a message carries (0 for an error reply)."""
+    if not message.has_content():
+        return 0
+    return sum(len(array.data) for record in message.content.values()
+               if isinstance(record, ArrayRecord) for array in record.values())
+
+
+class ByteCountingGrid(Grid):
+    """Wraps a Grid; ``up`` and ``down`` grow with every reply pulled and message pushed."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.inner = grid
+        self.up = 0
+        self.down = 0
+        self._mark = (0, 0)
+
+    def set_run(self, run: Run) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self.inner.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
+                       group_id: str, ttl: float | None = None) -> Message:
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        self.down += sum(payload_bytes(m) for m in messages)
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
+        for reply in self.inner.pull_messages(message_ids):  # lazily: replies stream
+            self.up += payload_bytes(reply)
+            yield reply
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        messages = list(messages)
+        self.down += sum(payload_bytes(m) for m in messages)
+        replies = list(self.inner.send_and_receive(messages, timeout=timeout))
+        self.up += sum(payload_bytes(r) for r in replies)
+        return replies
+
+    def totals(self) -> dict[str, int]:
+        """Bytes up and down since this grid was made."""
+        return {"bytes_up": self.up, "bytes_down": self.down}
+
+    def since_last(self) -> dict[str, float]:
+        """Bytes up and down since the previous call (a round's traffic, as metrics)."""
+        up, down = self.up - self._mark[0], self.down - self._mark[1]
+        self._mark = (self.up, self.down)
+        return {"bytes_up": float(up), "bytes_down": float(down)}

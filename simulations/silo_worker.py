@@ -1,0 +1,21 @@
+"""What every process of a silo runs under ``torchrun`` (``fedring silo`` starts it).
+
+It binds the scenario task to ``client.silo.run_silo``: rank 0 serves the silo ClientApp
+to its SuperNode, the other ranks train with it data-parallel.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from client.silo import run_silo
+from simulations.apps import spec_from_run_config
+from simulations.task import ScenarioTask
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_silo(argv, ScenarioTask, spec_from_run_config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
