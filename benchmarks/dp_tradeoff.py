@@ -148,10 +148,11 @@ def secure_round_cost(n: int, dim: int, z: float, repeats: int) -> dict[str, Any
             "ratio": round(median(noisy) / median(plain), 3)}
 
 
-def model_dim(grid: dict[str, Any]) -> int:
+def model_dim() -> int:
+    """Parameters of the benchmark's model (the number of clients does not change it)."""
     from simulations.apps import build_task
 
-    config = load_scenario("default", [f"federation.clients={grid['clients']}"])
+    config = load_scenario("default", [*BASE, "federation.clients=2"])
     return int(build_task(config).initial_params()[0].size)
 
 
@@ -186,6 +187,7 @@ def main() -> int:
     args = parser.parse_args()
     grid = QUICK if args.quick else FULL
     results = []
+    dim = model_dim()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{Path(tmp) / 'dp.db'}"
@@ -201,7 +203,6 @@ def main() -> int:
     distributed = next(r for r in results if r["mode"] == "distributed"
                        and r["noise_multiplier"] == grid["overhead_z"])
     per_round = round(grid["clients"] * grid["sample_fraction"])
-    dim = model_dim(grid)
     overhead = {
         "noise_multiplier": grid["overhead_z"],
         "secure_round": secure_round_cost(per_round, dim, grid["overhead_z"],

@@ -62,17 +62,17 @@ _MAX_HEADER_BYTES = 16_384  # numpy refuses headers over 10,000 bytes anyway
 
 
 def _read_header(data: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """(shape, fortran, dtype, payload offset) of .npy bytes: magic, version, the header's
-    length (2 bytes in version 1, else 4), then the header, parsed by numpy once."""
+    """(shape, fortran, dtype, payload offset) of .npy bytes: magic (6 bytes), version (2),
+    the header's length (2 bytes in version 1, else 4), then the header. Only a header
+    numpy parsed is remembered, so a remembered one (magic included) is known good."""
     view = memoryview(data).cast("B")
-    major, _ = np.lib.format.read_magic(io.BytesIO(view[:8].tobytes()))
-    width = 2 if major == 1 else 4
+    width = 2 if len(view) > 6 and view[6] == 1 else 4
     end = min(8 + width + int.from_bytes(view[8:8 + width], "little"), _MAX_HEADER_BYTES)
     key = view[:end].tobytes()
     parsed = _HEADERS.get(key)
     if parsed is None:
         fp = io.BytesIO(key)
-        np.lib.format.read_magic(fp)
+        major, _ = np.lib.format.read_magic(fp)  # a bad magic string raises here
         reader = (np.lib.format.read_array_header_1_0 if major == 1
                   else np.lib.format.read_array_header_2_0)
         parsed = reader(fp)
@@ -189,7 +189,7 @@ def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
                         f"unexpected {extra})")
     arrays = {name: npy_view(record[name]) for name in layout.names}
     for name, a in arrays.items():
-        if not np.issubdtype(a.dtype, np.floating):
+        if a.dtype.kind != "f":  # a floating type
             raise WireError(f"tensor '{name}' has dtype {a.dtype}, expected a float type")
     return arrays
 

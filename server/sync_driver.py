@@ -96,7 +96,8 @@ def exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: float
     pending = set(ids)
     deadline = time.monotonic() + timeout
     while pending:
-        for reply in grid.pull_messages(list(pending)):
+        # In push order: the in-process engine runs each client as its reply is pulled.
+        for reply in grid.pull_messages([i for i in ids if i in pending]):
             msg_id = reply.metadata.reply_to_message_id
             if msg_id not in pending:  # a duplicate, or a reply to another round
                 on_reply(reply)

@@ -92,6 +92,14 @@ def _stored_config(args: argparse.Namespace) -> dict[str, Any]:
         return store.get_run(args.resume).config
 
 
+def _attackers(config: dict[str, Any]) -> list[int] | None:
+    """The partition ids of a run's simulated attackers, or None without ``[attack]``."""
+    from simulations.task import ScenarioTask
+
+    attack = ScenarioTask.from_config(config).attack
+    return None if attack is None else sorted(attack.attackers)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -104,6 +112,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                  resume=args.resume)
     summary = {**summary, "engine": args.engine, "scenario": config["name"],
                "clients": config["federation"]["clients"]}
+    attackers = _attackers(config)
+    if attackers is not None:
+        summary["attackers"] = attackers
     privacy = (f", epsilon {summary['epsilon']:.3f} at delta {summary['delta']:g}"
                if "epsilon" in summary else "")
     console.print(f"[bold green]{summary['status']}[/]: run {summary['run_id']}, "

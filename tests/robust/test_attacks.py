@@ -196,3 +196,12 @@ def test_attack_defaults_to_none_and_works_with_secure_aggregation():
     # secure aggregation cannot see who attacks: the combination is allowed (and linear)
     config = attack_config("secagg.enabled=true", "attack.kind=sign_flip")
     assert config["attack"]["kind"] == "sign_flip" and config["secagg"]["enabled"] is True
+
+
+def test_summary_names_the_attackers_only_when_attacking():
+    from simulations.cli import _attackers
+
+    config = attack_config()
+    expected = sorted(choose_attackers(0.2, 10, config["seed"]))
+    assert _attackers(config) == expected and len(expected) == 2
+    assert _attackers(load_scenario("default", SMALL)) is None
