@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from machine_info import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -150,16 +151,6 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path, subtitle: 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-
-
-def machine() -> dict[str, Any]:
-    import flwr
-    import torch
-
-    return {"platform": platform.platform(), "machine": platform.machine(),
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "flwr": flwr.__version__}
 
 
 def main() -> None:

@@ -48,13 +48,14 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from machine_info import machine
 
 SMALL, LARGE = [128], [1024, 1024]  # 9,610 and 1,126,410 parameters on digits
 HIDDEN = {"10k": SMALL, "1m": LARGE}
@@ -448,17 +449,6 @@ def parse_sizes(text: str) -> list[tuple[int, list[int]]]:
             raise argparse.ArgumentTypeError(f"bad size '{item}': write e.g. 10x10k or 100x1m")
         sizes.append((int(clients), HIDDEN[params]))
     return sizes
-
-
-def machine() -> dict[str, Any]:
-    import flwr
-    import numpy as np
-    import torch
-
-    return {"platform": platform.platform(), "machine": platform.machine(),
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "flwr": flwr.__version__, "numpy": np.__version__}
 
 
 def main() -> None:

@@ -32,13 +32,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from machine_info import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -131,16 +132,6 @@ def plot(runs: list[dict[str, Any]], target: float, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def machine() -> dict[str, Any]:
-    import flwr
-    import torch
-
-    return {"platform": platform.platform(), "machine": platform.machine(),
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "flwr": flwr.__version__}
 
 
 def main() -> None:
