@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 from typing import Any
 
 
@@ -16,3 +17,10 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "flwr": flwr.__version__, "numpy": np.__version__}
+
+
+def shown_path(path: Path | None, root: Path) -> str | None:
+    """A written file's path for the JSON: relative to the project when inside it."""
+    if path is None:
+        return None
+    return str(path.relative_to(root) if path.is_relative_to(root) else path)

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine
+from machine_info import machine, shown_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -200,9 +200,7 @@ def main() -> None:
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "results": results, "sanity": checks, "runs": runs,
-        "plot": None if plot_path is None else str(plot_path.relative_to(ROOT)
-                                                   if plot_path.is_relative_to(ROOT)
-                                                   else plot_path),
+        "plot": shown_path(plot_path, ROOT),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary), flush=True)

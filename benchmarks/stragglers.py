@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine
+from machine_info import machine, shown_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -205,9 +205,7 @@ def main() -> None:
         "secure_fedbuff_speedup": secure_speedup,
         "target": {"fedbuff_speedup_min": TARGET_SPEEDUP,
                    "met": None if speedup is None else speedup >= TARGET_SPEEDUP},
-        "plot": None if plot_path is None else str(plot_path.relative_to(ROOT)
-                                                   if plot_path.is_relative_to(ROOT)
-                                                   else plot_path),
+        "plot": shown_path(plot_path, ROOT),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary), flush=True)
