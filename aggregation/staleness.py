@@ -55,3 +55,10 @@ def make_staleness(kind: str, **params: float) -> StalenessFn:
         return kinds[kind](**params)
     except TypeError as exc:
         raise ValueError(f"bad parameters for staleness '{kind}': {params}") from exc
+
+
+def staleness_function(kind: str, a: float, b: int) -> StalenessFn:
+    """``make_staleness(kind)`` from a configuration's ``a`` and ``b``, each kind given only
+    the parameters it takes (constant none, polynomial a, hinge a and b)."""
+    params = {"polynomial": {"a": a}, "hinge": {"a": a, "b": b}}
+    return make_staleness(kind, **params.get(kind, {}))

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from harness import log
+from machine_info import load_average, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,10 +55,6 @@ OVERRIDES = (f"federation.clients={NODES} federation.min_clients={NODES} "
              f"model.hidden=[{HIDDEN[0]}] train.local_epochs=1")
 TARGET_ROUND_S = 2.0
 ALL_MODES = ("flower", "fastpoll", "warm", "fedring")
-
-
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def run_variant(mode: str, rounds: int, work: Path) -> dict[str, Any]:
@@ -111,14 +109,6 @@ def parameters() -> int:
     return count_parameters(ScenarioTask.from_config(config).build_model())
 
 
-def machine() -> dict[str, Any]:
-    import flwr
-    import torch
-
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "flwr": flwr.__version__}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fedring only, 3 rounds")
@@ -131,7 +121,7 @@ def main() -> None:
              else ["fedring"] if args.quick else list(ALL_MODES))
     if unknown := set(modes) - set(ALL_MODES):
         parser.error(f"unknown mode(s) {sorted(unknown)}")
-    started, load_before = time.perf_counter(), os.getloadavg()
+    started, load_before = time.perf_counter(), load_average()
     results = []
     pool = ThreadPoolExecutor(1)  # the imports overlap the deployments' waiting
     info = pool.submit(lambda: (machine(), parameters()))
@@ -148,8 +138,8 @@ def main() -> None:
     summary = {
         "benchmark": "deploy_latency", "quick": args.quick, "nodes": NODES,
         "params": info.result()[1], "machine": info.result()[0],
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_before": load_before,
+        "loadavg_after": load_average(),
         "results": results,
         "speedup_warm_round": round(stock / fed, 1) if fed and stock else None,
         "target": {"max_warm_round_s": TARGET_ROUND_S,

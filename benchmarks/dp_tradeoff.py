@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,6 +26,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.clientapp import ClientApp
+from harness import timed_simulation
+from machine_info import load_average, machine
 
 from client import wire
 from client.secure_client import encode_distributed, quantize_into, register_secagg
@@ -36,7 +36,6 @@ from server.dp import DPController
 from server.secagg_config import SecAggScenarioConfig
 from server.secure_round import secure_round
 from server.store import Store
-from simulations.cli import run_simulation
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
 
@@ -73,9 +72,7 @@ def run_one(mode: str, z: float, grid: dict[str, Any], db: str) -> dict[str, Any
     elif mode == "secagg":
         overrides += SECURE
     config = load_scenario("default", overrides)
-    t0 = time.perf_counter()
-    summary = run_simulation(config, engine="inprocess", db=db)
-    wall = time.perf_counter() - t0
+    summary, wall = timed_simulation(config, db)
     with Store(db) as store:
         ledger = store.privacy_ledger(summary["run_id"])
         rounds = [r for r in store.rounds(summary["run_id"]) if r.round >= 1]
@@ -188,7 +185,7 @@ def main() -> int:
     grid = QUICK if args.quick else FULL
     results = []
     dim = model_dim()
-    load_before = os.getloadavg()
+    load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{Path(tmp) / 'dp.db'}"
         if not args.quick:
@@ -222,8 +219,8 @@ def main() -> int:
                       "sample_fraction": grid["sample_fraction"], "sampling": "poisson",
                       "results": results, "overhead": overhead,
                       "settings": BASE, "modes": MODES,
-                      "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                      "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                      "machine": machine(),
+                      "loadavg_before": load_before, "loadavg_after": load_average(),
                       "plot": None if args.quick else args.plot}))
     return 0
 

@@ -1,4 +1,5 @@
-"""What a benchmark ran on: printed in every benchmark's JSON beside its figures."""
+"""What a benchmark ran on, and under which load: printed in every benchmark's JSON beside
+its figures."""
 
 from __future__ import annotations
 
@@ -24,3 +25,8 @@ def shown_path(path: Path | None, root: Path) -> str | None:
     if path is None:
         return None
     return str(path.relative_to(root) if path.is_relative_to(root) else path)
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages, rounded for the JSON."""
+    return [round(x, 2) for x in os.getloadavg()]

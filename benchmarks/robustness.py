@@ -24,9 +24,7 @@ Human-readable lines go to stderr; the last line of stdout is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -34,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine, shown_path
+from harness import log, seeds_args, timed_simulation
+from machine_info import load_average, machine, shown_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,16 +64,11 @@ LABELS = {"mean": "FedAvg", "median": "median", "trimmed_mean": "trimmed mean",
 PARTITIONERS = ("iid", "dirichlet")
 
 
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def run_one(partitioner: str, attack: str, combine: str, seed: int, quick: bool,
             folder: str) -> dict[str, Any]:
     """One run; its final accuracy and the attackers recorded in its update metrics."""
     from server.store import Store
     from simulations.attacks import choose_attackers
-    from simulations.cli import run_simulation
     from simulations.config import load_scenario
 
     values = {**(QUICK_WORKLOAD if quick else WORKLOAD), "data.partitioner": partitioner,
@@ -83,9 +77,7 @@ def run_one(partitioner: str, attack: str, combine: str, seed: int, quick: bool,
         values.update({"attack.fraction": FRACTION, **ATTACKS[attack]})
     config = load_scenario("default", values=values)
     db = f"sqlite:///{folder}/{partitioner}-{attack}-{combine}-{seed}.db"
-    started = time.perf_counter()
-    summary = run_simulation(config, engine="inprocess", db=db)
-    wall = time.perf_counter() - started
+    summary, wall = timed_simulation(config, db)
     with Store(db) as store:
         reported = sorted({int(u.metrics["fedring.partition-id"])
                            for _, u in store.updates(summary["run_id"])
@@ -154,21 +146,11 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path, subtitle: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="one seed, IID only, 2 rounds of one local epoch")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds (default 3, quick 1)")
-    parser.add_argument("--plot", default=None,
-                        help="PNG path (default docs/robustness.png; none in quick mode)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = parser.parse_args()
-    import torch
-
-    torch.set_num_threads(args.threads)
-    quick = args.quick
-    seeds = list(range(args.seeds or (1 if quick else 3)))
+    args = seeds_args(__doc__, "one seed, IID only, 2 rounds of one local epoch",
+                      "robustness.png")
+    quick, seeds = args.quick, args.seeds
     partitioners = ("iid",) if quick else PARTITIONERS
-    started, load_before = time.perf_counter(), os.getloadavg()
+    started, load_before = time.perf_counter(), load_average()
     log(f"robustness: {'quick' if quick else 'full'}, seeds {seeds}, "
         f"load average {load_before[0]:.2f}")
     runs = []
@@ -183,9 +165,8 @@ def main() -> None:
                         runs.append(r)
     results = table(runs)
     checks = sanity(results["iid"])
-    plot_path = None
-    if args.plot or not quick:
-        plot_path = Path(args.plot or ROOT / "docs" / "robustness.png")
+    plot_path = args.plot
+    if plot_path is not None:
         plot(results, plot_path, f"final accuracy after {WORKLOAD['federation.rounds']} "
                                  f"rounds, mean of {len(seeds)} seeds")
         log(f"plot: {plot_path}")
@@ -197,8 +178,8 @@ def main() -> None:
                      "partitioners": list(partitioners), "attack.fraction": FRACTION,
                      "attacks": ATTACKS, "combines": COMBINES},
         "machine": machine(),
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_before": load_before,
+        "loadavg_after": load_average(),
         "results": results, "sanity": checks, "runs": runs,
         "plot": shown_path(plot_path, ROOT),
         "wall_s": round(time.perf_counter() - started, 1),

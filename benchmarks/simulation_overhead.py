@@ -55,7 +55,8 @@ import tempfile
 import time
 from typing import Any
 
-from machine_info import machine
+from harness import log
+from machine_info import load_average, machine
 
 SMALL, LARGE = [128], [1024, 1024]  # 9,610 and 1,126,410 parameters on digits
 HIDDEN = {"10k": SMALL, "1m": LARGE}
@@ -67,10 +68,6 @@ TARGET_PER_CLIENT_MS = 2.0
 TARGET_FLOWER_RATIO = 3.0
 TARGET_COLD_S = 0.5
 START_ENV = dict(os.environ)  # Ray's start edits PYTHONPATH; cold starts get the original
-
-
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def scenario(clients: int, hidden: list[int], rounds: int) -> dict[str, Any]:
@@ -477,7 +474,7 @@ def main() -> None:
         return
 
     started = time.perf_counter()
-    load_before = os.getloadavg()
+    load_before = load_average()
     quick = args.quick
     sizes = args.sizes or (QUICK_SIZES if quick else FULL_SIZES)
     rounds = 2 if quick else 5
@@ -508,8 +505,8 @@ def main() -> None:
                      "flower": "Ray, 1 CPU per actor, flwr FedAvg, no evaluation",
                      "overheads": "medians over warm rounds of (engine - bare beside it) / N"},
         "machine": machine(),
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_before": load_before,
+        "loadavg_after": load_average(),
         "results": results,
         "cold_start": cold,
         "targets": targets(results, cold),

@@ -28,10 +28,8 @@ Human-readable lines go to stderr; the last line of stdout is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -39,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine, shown_path
+from harness import log, seeds_args, timed_simulation
+from machine_info import load_average, machine, shown_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -64,22 +63,15 @@ DRIVERS: dict[str, dict[str, Any]] = {
 TARGET_SPEEDUP = 2.0
 
 
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def run_driver(name: str, seed: int, target: float, folder: str) -> dict[str, Any]:
     """One run to the target; its summary and the (simulated time, accuracy) curve."""
     from server.store import Store
-    from simulations.cli import run_simulation
     from simulations.config import load_scenario
 
     values = {**WORKLOAD, **DRIVERS[name], "driver.target_accuracy": target, "seed": seed}
     config = load_scenario("default", values=values)
     db = f"sqlite:///{folder}/{name}-{seed}.db"
-    started = time.perf_counter()
-    summary = run_simulation(config, engine="inprocess", db=db)
-    wall = time.perf_counter() - started
+    summary, wall = timed_simulation(config, db)
     with Store(db) as store:
         rounds = store.rounds(summary["run_id"])
         updates = sum(r.num_replies for r in rounds)
@@ -135,24 +127,15 @@ def plot(runs: list[dict[str, Any]], target: float, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="one seed, target 0.8, every driver but sync_deadline")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds (default 3, quick 1)")
-    parser.add_argument("--target", type=float, default=None,
-                        help="target accuracy (default 0.9, quick 0.8)")
-    parser.add_argument("--plot", default=None,
-                        help="PNG path (default docs/stragglers.png; none in quick mode)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    args = parser.parse_args()
-    import torch
-
-    torch.set_num_threads(args.threads)
-    quick = args.quick
-    seeds = list(range(args.seeds or (1 if quick else 3)))
+    args = seeds_args(__doc__, "one seed, target 0.8, every driver but sync_deadline",
+                      "stragglers.png",
+                      more=lambda parser: parser.add_argument(
+                          "--target", type=float, default=None,
+                          help="target accuracy (default 0.9, quick 0.8)"))
+    quick, seeds = args.quick, args.seeds
     target = args.target or (0.8 if quick else 0.9)
     names = [n for n in DRIVERS if not (quick and n == "sync_deadline")]
-    started, load_before = time.perf_counter(), os.getloadavg()
+    started, load_before = time.perf_counter(), load_average()
     log(f"stragglers: {'quick' if quick else 'full'}, target {target}, seeds {seeds}, "
         f"load average {load_before[0]:.2f}")
     runs = []
@@ -183,9 +166,8 @@ def main() -> None:
                 for a, b in zip([r for r in runs if r["driver"] == "sync_fedavg"],
                                 [r for r in runs if r["driver"] == "fedbuff"], strict=True)
                 if a["reached"] and b["reached"]]
-    plot_path = None
-    if args.plot or not quick:
-        plot_path = Path(args.plot or ROOT / "docs" / "stragglers.png")
+    plot_path = args.plot
+    if plot_path is not None:
         plot([r for r in runs if r["seed"] == seeds[0]], target, plot_path)
         log(f"plot: {plot_path}")
     log(f"fedbuff speed-up over sync FedAvg: {speedup}x (target >= {TARGET_SPEEDUP}x); "
@@ -197,8 +179,8 @@ def main() -> None:
                      **WORKLOAD, "drivers": DRIVERS,
                      "secure_stages_on_the_clock": "not modelled (0 simulated s)"},
         "machine": machine(),
-        "loadavg_before": [round(x, 2) for x in load_before],
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_before": load_before,
+        "loadavg_after": load_average(),
         "drivers": drivers,
         "runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs],
         "fedbuff_speedup": speedup, "fedbuff_speedup_per_seed": per_seed,

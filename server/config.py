@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,14 +13,15 @@ from aggregation import (
     Weight,
     make_combine,
     make_server_optimizer,
-    make_staleness,
 )
 from aggregation.combine import Combine
 from aggregation.robust import ROBUST_KINDS, RobustCombine, make_robust_combine
 from aggregation.server_opt import SERVER_OPTIMIZERS
+from aggregation.staleness import StalenessFn, staleness_function
 from server.dp import DPController
 
 LINEAR_COMBINES = ("mean", "sum")
+STALENESS_KEYS = ("staleness", "staleness_a", "staleness_b", "max_staleness")
 
 
 def from_section(cls: type, section: str, values: Mapping[str, Any]) -> Any:
@@ -46,6 +47,52 @@ def from_section(cls: type, section: str, values: Mapping[str, Any]) -> Any:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"[{section}] {exc}") from exc
+
+
+def check_choice(key: str, value: str, choices: Collection[str]) -> None:
+    """A clear error naming ``key`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{key} '{value}' is unknown; choose one of: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class StalenessConfig:
+    """The staleness keys, which ``[aggregation]`` (its pipeline applies them) and ``[driver]``
+    both take: s(tau) named by ``staleness`` (constant, polynomial, hinge) with
+    ``staleness_a``/``staleness_b``, and ``max_staleness`` (-1: no bound). The one place they
+    are checked and built; ``server.driver_config.merge_staleness`` makes the sections agree.
+    """
+
+    staleness: str = "constant"
+    staleness_a: float = 0.5
+    staleness_b: int = 4
+    max_staleness: int = -1
+
+    @classmethod
+    def of(cls, section: Any) -> StalenessConfig:
+        """The staleness keys of a section's config (e.g. an ``AggregationConfig``)."""
+        return cls(**{key: getattr(section, key) for key in STALENESS_KEYS})
+
+    def function(self) -> StalenessFn:
+        return staleness_function(self.staleness, self.staleness_a, self.staleness_b)
+
+    def bound(self) -> int | None:
+        """``max_staleness``, None for no bound."""
+        return None if self.max_staleness < 0 else self.max_staleness
+
+    def check(self, section: str, written: Mapping[str, str] | None = None) -> None:
+        """A clear error if a key is bad, naming it as ``section.key`` (or as written in the
+        section ``written[key]``)."""
+        def name(key: str) -> str:
+            return f"{(written or {}).get(key, section)}.{key}"
+
+        try:
+            self.function()
+        except ValueError as exc:
+            raise ValueError(f"{name('staleness')}: {exc}") from exc
+        if self.max_staleness < -1:
+            raise ValueError(f"{name('max_staleness')} must be >= 0, or -1 for no bound, got "
+                             f"{self.max_staleness}")
 
 
 @dataclass(frozen=True)
@@ -103,24 +150,21 @@ class AggregationConfig:
     beta2: float = 0.99
     tau: float = 1e-3
     max_norm: float = 0.0
-    max_staleness: int = -1
-    staleness: str = "constant"
-    staleness_a: float = 0.5
-    staleness_b: int = 4
+    max_staleness: int = StalenessConfig.max_staleness
+    staleness: str = StalenessConfig.staleness
+    staleness_a: float = StalenessConfig.staleness_a
+    staleness_b: int = StalenessConfig.staleness_b
     f: int = 0
     trim_beta: float = 0.1
     multikrum_m: int = 0
     bulyan_selection: str = "iterated"
 
     def __post_init__(self) -> None:
-        if self.combine not in (*LINEAR_COMBINES, *ROBUST_KINDS):
-            raise ValueError(f"aggregation.combine '{self.combine}' is unknown; choose one of: "
-                             f"{', '.join((*LINEAR_COMBINES, *ROBUST_KINDS))}")
-        if self.server_opt not in SERVER_OPTIMIZERS:
-            raise ValueError(f"aggregation.server_opt '{self.server_opt}' is unknown; choose one "
-                             f"of: {', '.join(SERVER_OPTIMIZERS)}")
+        check_choice("aggregation.combine", self.combine, (*LINEAR_COMBINES, *ROBUST_KINDS))
+        check_choice("aggregation.server_opt", self.server_opt, SERVER_OPTIMIZERS)
         if self.max_norm < 0:
             raise ValueError("aggregation.max_norm must be >= 0 (0 means no bound)")
+        StalenessConfig.of(self).check("aggregation")
         self.build()  # surfaces bad combine/weight/optimizer parameters at start
 
     def _optimizer_params(self) -> dict[str, float]:
@@ -150,16 +194,11 @@ class AggregationConfig:
     def build(self, dp: DPController | None = None) -> Pipeline:
         """A fresh pipeline for this configuration, with central DP's stages if given."""
         dp_update, dp_post = dp.stages() if dp is not None else ([], [])
-        stale_params: dict[str, float] = {}
-        if self.staleness == "polynomial":
-            stale_params = {"a": self.staleness_a}
-        elif self.staleness == "hinge":
-            stale_params = {"a": self.staleness_a, "b": self.staleness_b}
+        staleness = StalenessConfig.of(self)
         return Pipeline(
-            Validate(max_norm=self.max_norm or None,
-                     max_staleness=None if self.max_staleness < 0 else self.max_staleness),
+            Validate(max_norm=self.max_norm or None, max_staleness=staleness.bound()),
             *dp_update,
-            Weight(by=self.weight_by, staleness=make_staleness(self.staleness, **stale_params)),
+            Weight(by=self.weight_by, staleness=staleness.function()),
             make_combine("sum") if dp_post else self._combine(),
             *dp_post,
             make_server_optimizer(self.server_opt, **self._optimizer_params()),

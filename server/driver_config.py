@@ -3,7 +3,8 @@
 ``[driver]`` picks the round driver (sync, FedAsync, FedBuff or cross-silo) and its straggler
 handling; ``[clients]`` describes simulated client speed and availability. The staleness
 keys exist in ``[aggregation]`` too (its pipeline applies them): ``merge_staleness``
-makes the two sections agree before they are validated.
+makes the two sections agree before they are validated, and ``server.config``'s
+``StalenessConfig`` checks them for both.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aggregation import make_staleness
+from server.config import (
+    STALENESS_KEYS,
+    AggregationConfig,
+    FederationConfig,
+    StalenessConfig,
+    check_choice,
+    from_section,
+)
 
 DRIVER_KINDS = ("sync", "fedasync", "fedbuff", "cross_silo")
 LATE_POLICIES = ("drop", "carry")
-STALENESS_KEYS = ("staleness", "staleness_a", "staleness_b", "max_staleness")
 FEDASYNC_SECAGG = ("driver.kind 'fedasync' applies each update on its own, and a single "
                    "update cannot be hidden in a sum: with secagg.enabled = true use "
                    "driver.kind 'fedbuff' (one secure sum per buffer of driver.buffer_size "
@@ -41,44 +48,29 @@ class DriverConfig:
     kind: str = "sync"
     buffer_size: int = 10
     concurrency: int = 0
-    staleness: str = "constant"
-    staleness_a: float = 0.5
-    staleness_b: int = 4
-    max_staleness: int = -1
+    staleness: str = StalenessConfig.staleness
+    staleness_a: float = StalenessConfig.staleness_a
+    staleness_b: int = StalenessConfig.staleness_b
+    max_staleness: int = StalenessConfig.max_staleness
     alpha: float = 0.6
     deadline_s: float = 0.0
     late_policy: str = "drop"
     target_accuracy: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in DRIVER_KINDS:
-            raise ValueError(f"driver.kind '{self.kind}' is unknown; choose one of: "
-                             f"{', '.join(DRIVER_KINDS)}")
+        check_choice("driver.kind", self.kind, DRIVER_KINDS)
         if self.buffer_size < 1:
             raise ValueError(f"driver.buffer_size must be >= 1, got {self.buffer_size}")
         if self.concurrency < 0:
             raise ValueError(f"driver.concurrency must be >= 0 (0: the federation's clients "
                              f"per round), got {self.concurrency}")
-        params: dict[str, float] = {}
-        if self.staleness == "polynomial":
-            params = {"a": self.staleness_a}
-        elif self.staleness == "hinge":
-            params = {"a": self.staleness_a, "b": self.staleness_b}
-        try:
-            make_staleness(self.staleness, **params)
-        except ValueError as exc:
-            raise ValueError(f"driver.staleness: {exc}") from exc
-        if self.max_staleness < -1:
-            raise ValueError(f"driver.max_staleness must be >= 0, or -1 for no bound, got "
-                             f"{self.max_staleness}")
+        StalenessConfig.of(self).check("driver")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"driver.alpha must be in (0, 1], got {self.alpha}")
         if not self.deadline_s >= 0:
             raise ValueError(f"driver.deadline_s must be >= 0 (0: no deadline), got "
                              f"{self.deadline_s}")
-        if self.late_policy not in LATE_POLICIES:
-            raise ValueError(f"driver.late_policy '{self.late_policy}' is unknown; choose one "
-                             f"of: {', '.join(LATE_POLICIES)}")
+        check_choice("driver.late_policy", self.late_policy, LATE_POLICIES)
         if not 0 <= self.target_accuracy <= 1:
             raise ValueError(f"driver.target_accuracy must be in [0, 1] (0: none), got "
                              f"{self.target_accuracy}")
@@ -136,21 +128,26 @@ def merge_staleness(raw: Mapping[str, Any]) -> dict[str, Any]:
     """``raw`` with the staleness keys of ``[driver]`` and ``[aggregation]`` made equal.
 
     A key set in one section is copied to the other; set in both to different values,
-    it is an error (the scenario would be ambiguous).
+    it is an error (the scenario would be ambiguous). The merged keys are checked here, so
+    that an error names a key in the section the scenario set it in.
     """
     driver = raw.get("driver", {})
     aggregation = raw.get("aggregation", {})
     if not isinstance(driver, Mapping) or not isinstance(aggregation, Mapping):
         return dict(raw)  # validation reports the non-table section
     driver, aggregation = dict(driver), dict(aggregation)
+    written: dict[str, str] = {}  # key -> the section it was set in
     for key in STALENESS_KEYS:
         if key in driver and key in aggregation and driver[key] != aggregation[key]:
             raise ValueError(f"driver.{key} = {driver[key]!r} and aggregation.{key} = "
                              f"{aggregation[key]!r} disagree; set it in [driver] only")
         if key in driver:
-            aggregation[key] = driver[key]
+            aggregation[key], written[key] = driver[key], "driver"
         elif key in aggregation:
-            driver[key] = aggregation[key]
+            driver[key], written[key] = aggregation[key], "aggregation"
+    typed = {key: getattr(from_section(StalenessConfig, section, {key: driver[key]}), key)
+             for key, section in written.items()}  # a bad type fails naming section.key
+    StalenessConfig(**typed).check("driver", written)
     out = dict(raw)
     if driver:
         out["driver"] = driver
@@ -161,8 +158,6 @@ def merge_staleness(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_driver(config: Mapping[str, Any]) -> None:
     """Cross-section checks of a resolved scenario's ``[driver]`` (a clear error if bad)."""
-    from server.config import AggregationConfig, FederationConfig
-
     driver = DriverConfig(**config.get("driver", {}))
     fed = FederationConfig(**config["federation"])
     agg = AggregationConfig(**config["aggregation"])

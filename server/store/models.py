@@ -29,7 +29,7 @@ from sqlalchemy import (
     String,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 __all__ = ["Base", "CheckpointRow", "LedgerRow", "RoundRow", "RunRow", "SecAggRoundRow",
@@ -135,34 +135,38 @@ class UpdateRow(Base):
     metrics: Mapped[dict] = mapped_column(JSON)
 
 
-class CheckpointRow(Base):
+class OneRowPerRound:
+    """Columns of a table with at most one row per round of a run (its own id as the key)."""
+
+    @declared_attr.directive
+    def __table_args__(cls) -> tuple[Any, ...]:
+        return (UniqueConstraint("run_id", "round"),)
+
+    # sort_order -1: these come before the table's own columns (the on-disk order).
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True,
+                                    sort_order=-1)
+    run_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("runs.run_id", ondelete="CASCADE"), index=True, sort_order=-1
+    )
+    round: Mapped[int] = mapped_column(Integer, sort_order=-1)
+
+
+class CheckpointRow(OneRowPerRound, Base):
     """A server checkpoint: model parameters plus aggregator/optimizer state."""
 
     __tablename__ = "checkpoints"
-    __table_args__ = (UniqueConstraint("run_id", "round"),)
 
-    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(
-        String(32), ForeignKey("runs.run_id", ondelete="CASCADE"), index=True
-    )
-    round: Mapped[int] = mapped_column(Integer)
     model_version: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     sha256: Mapped[str] = mapped_column(String(64))
     payload: Mapped[bytes] = mapped_column(LargeBinary)
 
 
-class LedgerRow(Base):
+class LedgerRow(OneRowPerRound, Base):
     """The privacy ledger: (epsilon, delta) spent by a run after each round."""
 
     __tablename__ = "privacy_ledger"
-    __table_args__ = (UniqueConstraint("run_id", "round"),)
 
-    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(
-        String(32), ForeignKey("runs.run_id", ondelete="CASCADE"), index=True
-    )
-    round: Mapped[int] = mapped_column(Integer)
     mode: Mapped[str] = mapped_column(String(16))
     accountant: Mapped[str] = mapped_column(String(16))
     epsilon: Mapped[float] = mapped_column(Float)
@@ -172,7 +176,7 @@ class LedgerRow(Base):
     sampling_rate: Mapped[float] = mapped_column(Float)
 
 
-class SecAggRoundRow(Base):
+class SecAggRoundRow(OneRowPerRound, Base):
     """One secure-aggregation round: who took part, who dropped at which stage, the outcome.
 
     Client ids are strings (as in ``updates``); ``dropouts`` maps each stage name to the
@@ -180,13 +184,7 @@ class SecAggRoundRow(Base):
     """
 
     __tablename__ = "secagg_rounds"
-    __table_args__ = (UniqueConstraint("run_id", "round"),)
 
-    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(
-        String(32), ForeignKey("runs.run_id", ondelete="CASCADE"), index=True
-    )
-    round: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))
     k: Mapped[int] = mapped_column(Integer)
     t: Mapped[int] = mapped_column(Integer)

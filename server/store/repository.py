@@ -49,11 +49,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import uuid4
 
 import numpy as np
@@ -74,27 +74,13 @@ from .models import (
 )
 from .serialize import pack_state, unpack_state
 
-__all__ = [
-    "FATES",
-    "ROUND_STATUSES",
-    "RUN_STATUSES",
-    "Checkpoint",
-    "CorruptCheckpoint",
-    "RoundInfo",
-    "RunInfo",
-    "Store",
-    "StoreError",
-    "UnknownRun",
-    "UpdateRecord",
-    "mask_url",
-]
-
 RUN_STATUSES = ("running", "completed", "failed", "stopped")
 FINAL_RUN_STATUSES = ("completed", "failed", "stopped")
 ROUND_STATUSES = ("completed", "aborted", "failed")
 FATES = ("accepted", "rejected", "dropped")
 
 _INT64 = (-(2**63), 2**63 - 1)
+_R = TypeVar("_R")
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -294,6 +280,13 @@ def _status(value: Any, allowed: Sequence[str], what: str) -> str:
     if value not in allowed:
         raise ValueError(f"{what} {value!r}: must be one of {', '.join(allowed)}")
     return value
+
+
+def _record(cls: type[_R], row: Base, **converted: Any) -> _R:
+    """Dataclass ``cls`` from ``row``: each field from the column of its name, except
+    those given in ``converted`` (values decoded from JSON, or not columns at all)."""
+    columns = {f.name: getattr(row, f.name) for f in fields(cls) if f.name not in converted}
+    return cls(**columns, **converted)
 
 
 # --------------------------------------------------------------------------- time
@@ -513,17 +506,9 @@ class Store:
             s.execute(delete(RoundRow).where(RoundRow.run_id == run_id, RoundRow.round > rnd))
 
     def _run_info(self, row: RunRow, num_rounds: int) -> RunInfo:
-        return RunInfo(
-            run_id=row.run_id,
-            name=row.name,
-            status=row.status,
-            seed=row.seed,
-            created_at=row.created_at,
-            finished_at=row.finished_at,
-            config=_from_json(row.config),
-            summary=None if row.summary is None else _from_json(row.summary),
-            num_rounds=int(num_rounds),
-        )
+        return _record(RunInfo, row, config=_from_json(row.config),
+                       summary=None if row.summary is None else _from_json(row.summary),
+                       num_rounds=int(num_rounds))
 
     def list_runs(self) -> list[RunInfo]:
         """All runs, newest first."""
@@ -639,22 +624,7 @@ class Store:
             rows = s.scalars(
                 select(RoundRow).where(RoundRow.run_id == run_id).order_by(RoundRow.round)
             ).all()
-        return [
-            RoundInfo(
-                round=r.round,
-                model_version=r.model_version,
-                status=r.status,
-                num_sampled=r.num_sampled,
-                num_replies=r.num_replies,
-                num_accepted=r.num_accepted,
-                num_rejected=r.num_rejected,
-                num_dropped=r.num_dropped,
-                metrics=_metrics_from_json(r.metrics),
-                wall_s=r.wall_s,
-                started_at=r.started_at,
-            )
-            for r in rows
-        ]
+        return [_record(RoundInfo, r, metrics=_metrics_from_json(r.metrics)) for r in rows]
 
     def updates(self, run_id: str, *, round: int | None = None) -> list[tuple[int, UpdateRecord]]:
         """``(round, record)`` for every update of a run (or of one round), in order."""
@@ -665,23 +635,8 @@ class Store:
         with self._session() as s:
             self._run_row(s, run_id)
             rows = s.scalars(query).all()
-        return [
-            (
-                u.round,
-                UpdateRecord(
-                    client_id=u.client_id,
-                    fate=u.fate,
-                    reason=u.reason,
-                    num_examples=u.num_examples,
-                    base_version=u.base_version,
-                    staleness=u.staleness,
-                    norm=u.norm,
-                    weight=u.weight,
-                    metrics=_metrics_from_json(u.metrics),
-                ),
-            )
-            for u in rows
-        ]
+        return [(u.round, _record(UpdateRecord, u, metrics=_metrics_from_json(u.metrics)))
+                for u in rows]
 
     # ---- privacy ledger
 

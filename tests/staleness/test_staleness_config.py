@@ -36,6 +36,8 @@ def test_driver_staleness_reaches_the_aggregation_pipeline():
     (["driver.staleness=exponential"], "unknown staleness function 'exponential'"),
     (["driver.staleness=polynomial", "driver.staleness_a=-1"], "exponent a must be >= 0"),
     (["driver.max_staleness=-5"], "driver.max_staleness must be >= 0"),
+    (["aggregation.max_staleness=-5"], "aggregation.max_staleness must be >= 0"),
+    (["driver.staleness_a=x"], "driver.staleness_a must be float"),
     (["driver.alpha=0"], "driver.alpha must be in (0, 1]"),
     (["driver.deadline_s=-1"], "driver.deadline_s must be >= 0"),
     (["driver.late_policy=wait"], "driver.late_policy 'wait' is unknown"),

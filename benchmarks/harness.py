@@ -1,0 +1,56 @@
+"""What the benchmarks share: progress lines, the command line of a benchmark over seeds,
+and timed training runs on the in-process engine.
+
+A benchmark prints human-readable lines on stderr (``log``) and one JSON object as the last
+line of stdout, with what it ran on and under which load (``machine_info``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(text: str) -> None:
+    """One human-readable line, on stderr (stdout carries the JSON)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def seeds_args(doc: str, quick_help: str, plot_name: str,
+               more: Callable[[argparse.ArgumentParser], Any] | None = None
+               ) -> argparse.Namespace:
+    """The command line of a benchmark over seeds, parsed: ``--quick``, ``--seeds`` (a list:
+    3 seeds, 1 in quick mode), ``--plot`` (a Path: docs/``plot_name`` unless given; None in
+    quick mode unless given) and ``--threads`` (set in torch); ``more`` adds arguments."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--seeds", type=int, default=None, help="seeds (default 3, quick 1)")
+    if more is not None:
+        more(parser)
+    parser.add_argument("--plot", default=None,
+                        help=f"PNG path (default docs/{plot_name}; none in quick mode)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    args.seeds = list(range(args.seeds or (1 if args.quick else 3)))
+    args.plot = (Path(args.plot or ROOT / "docs" / plot_name) if args.plot or not args.quick
+                 else None)
+    return args
+
+
+def timed_simulation(config: dict[str, Any], db: str) -> tuple[dict[str, Any], float]:
+    """Train a resolved scenario on the in-process engine (real ServerApp, ClientApp and
+    store ``db``): the run's summary and its wall seconds."""
+    from simulations.cli import run_simulation
+
+    started = time.perf_counter()
+    summary = run_simulation(config, engine="inprocess", db=db)
+    return summary, time.perf_counter() - started
