@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from scipy.linalg.blas import saxpy
+from scipy.linalg.blas import saxpy, sscal
 
 
 @functools.cache
@@ -28,6 +28,12 @@ class Combine:
 
     linear: bool = False
 
+    def __copy__(self) -> Combine:
+        """A shallow copy (one per aggregation), without copy.copy's generic protocol."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
     def start(self, dim: int) -> None:
         raise NotImplementedError
 
@@ -40,41 +46,57 @@ class Combine:
 
 
 class WeightedMean(Combine):
-    """sum(w_i d_i) / sum(w_i), accumulated in place as updates arrive (one pass each)."""
+    """sum(w_i d_i) / sum(w_i), accumulated in place as updates arrive (one pass each).
+
+    After the first ``add``, a caller may add more deltas itself, as ``add`` would, with
+    BLAS ``saxpy(delta, running_sum, delta.size, weight)``, and then set ``total_weight``
+    to the sum of all the weights before ``result()`` (the lean path of
+    ``RoundAggregation`` does, to save a Python call per update).
+    """
 
     linear = True
 
     def __init__(self) -> None:
-        self._acc: np.ndarray | None = None
+        self.running_sum: np.ndarray | None = None
         self.total_weight = 0.0
+        self._count = 0
 
     def start(self, dim: int) -> None:
         blas_on_calling_thread()
-        self._acc = np.zeros(dim, dtype=np.float32)
+        # Not zeroed: the first add writes it whole (zeroing 4 MB costs half an update).
+        self.running_sum = np.empty(dim, dtype=np.float32)
         self.total_weight = 0.0
+        self._count = 0
 
     def add(self, delta: np.ndarray, weight: float) -> None:
-        assert self._acc is not None, "start() first"
-        # BLAS saxpy: acc += weight * delta in one streaming pass, no temporary; acc (float32,
-        # contiguous) is updated in place. A strided delta is copied once by the wrapper.
-        if delta.size:  # (the BLAS wrapper refuses empty vectors)
-            saxpy(delta, self._acc, delta.size, weight)
+        acc = self.running_sum
+        if acc is None:
+            raise RuntimeError("start() first")
+        if self._count and delta.size:  # (the BLAS wrapper refuses empty vectors)
+            # BLAS saxpy: acc += weight * delta in one streaming pass, no temporary; acc
+            # (float32, contiguous) is updated in place. A strided delta is copied once.
+            saxpy(delta, acc, delta.size, weight)
+        else:  # the first: acc = weight * delta, one write pass, the same float32 products
+            np.multiply(delta, np.float32(weight), out=acc, dtype=np.float32)
+        self._count += 1
         self.total_weight += weight
 
     def result(self) -> np.ndarray | None:
-        if self._acc is None or self.total_weight <= 0:
+        acc = self.running_sum
+        if acc is None or self.total_weight <= 0:
             return None
-        self._acc *= np.float32(1.0 / self.total_weight)
-        return self._acc
+        if acc.size:  # (the BLAS wrapper refuses empty vectors)
+            sscal(1.0 / self.total_weight, acc)  # in place, as acc *= float32(1 / W)
+        return acc
 
 
 class WeightedSum(WeightedMean):
     """sum(w_i d_i), for callers that normalise themselves (e.g. FedAsync mixing)."""
 
     def result(self) -> np.ndarray | None:
-        if self._acc is None or self.total_weight <= 0:
+        if self.running_sum is None or self.total_weight <= 0:
             return None
-        return self._acc
+        return self.running_sum
 
 
 def make_combine(kind: str, **params: float) -> Combine:

@@ -10,13 +10,16 @@
 from __future__ import annotations
 
 import copy
+from math import sqrt
 from typing import Any
 
 import numpy as np
+from scipy.linalg.blas import saxpy, sdot
 
-from aggregation.combine import Combine, blas_on_calling_thread
+from aggregation.combine import Combine, WeightedMean, WeightedSum, blas_on_calling_thread
 from aggregation.server_opt import FedAvg, ServerOptimizer
-from aggregation.stages import Candidate, UpdateStage
+from aggregation.stages import MAX_COUNT, Candidate, UpdateStage, Validate, Weight
+from aggregation.staleness import Constant, StalenessFn
 from aggregation.update import Rejected, Update, Verdict
 
 
@@ -98,22 +101,41 @@ class Pipeline:
 
 
 class RoundAggregation:
-    """One aggregation: updates go in one at a time, the combined delta comes out."""
+    """One aggregation: updates go in one at a time, the combined delta comes out.
+
+    Stage settings are read when the aggregation opens. When the per-update stages are
+    exactly ``Validate`` (then optionally ``Weight``), an update that passes every check
+    takes a lean path: a few attribute compares, one BLAS pass for the norm, one into the
+    combine, and its verdict. Anything unusual (a failed check, a numpy integer count, a
+    duplicate) goes through the stages one by one, which decide and word the rejection, so
+    both paths give the same verdicts. Either way a rejected update never touches the
+    aggregate.
+    """
 
     def __init__(self, pipeline: Pipeline, *, dim: int, version: int) -> None:
         self.pipeline = pipeline
         self.dim = dim
         self.version = version
         self.verdicts: list[Verdict] = []
-        self._seen: set[str] = set()
+        self._seen: set[str] = set()  # the clients accepted so far
         self.total_weight = 0.0
-        self.num_accepted = 0
         self._finished = False
         self._result: np.ndarray | None = None
         blas_on_calling_thread()  # norms and sums of long vectors: one BLAS call each
         # Each round accumulates in its own combine, so rounds open at once stay apart.
         self.combine = copy.copy(pipeline.combine)
         self.combine.start(dim)
+        self._add = self.combine.add
+        self._lean = _lean_plan(pipeline.update_stages, self.combine, dim, version)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self._seen)
+
+    @property
+    def lean(self) -> bool:
+        """Whether valid updates take the lean path (see the class docstring)."""
+        return self._lean is not None
 
     def reject(self, client_id: str, reason: str, **fields: Any) -> Verdict:
         """Record a reply that could not even be decoded into an update."""
@@ -123,9 +145,41 @@ class RoundAggregation:
 
     def submit(self, update: Update) -> Verdict:
         """Run one update through the per-update stages and into the combine."""
+        plan = self._lean
+        if plan is None:
+            return self._submit_staged(update)
+        shape, lowest_base, version, norm_bound, by_examples, staleness_fn, running_sum = plan
+        d, n, b, cid = update.delta, update.num_examples, update.base_version, update.client_id
+        seen = self._seen
+        if not (type(d) is np.ndarray and d.dtype is _F32 and d.shape == shape
+                and type(n) is int and 0 < n <= MAX_COUNT
+                and type(b) is int and lowest_base <= b <= version and cid not in seen):
+            return self._submit_staged(update)
+        # NaN and Inf propagate into the sum of squares, and so does a float32 overflow:
+        # norm_bound is at most the largest float32, so one compare rejects all three.
+        norm = sqrt(sdot(d, d))
+        staleness = version - b
+        weight = float(n) if by_examples else 1.0
+        if staleness_fn is not None:
+            weight *= staleness_fn(staleness)
+        if not (norm <= norm_bound and weight > 0):
+            return self._submit_staged(update, norm)
+        if running_sum is not None and seen:  # WeightedMean.add after the first, inline
+            saxpy(d, running_sum, shape[0], weight)
+        else:
+            self._add(d, weight)
+        seen.add(cid)
+        self.total_weight += weight
+        # Verdict(cid, True, None, ...) without the Python-level __new__ of a NamedTuple
+        verdict = _new_tuple(Verdict, (cid, True, None, n, b, staleness, norm, weight))
+        self.verdicts.append(verdict)
+        return verdict
+
+    def _submit_staged(self, update: Update, norm: float | None = None) -> Verdict:
+        """Every per-update stage in turn; ``norm``: the delta's L2 norm if already known."""
         staleness = (int(self.version) - int(update.base_version)
                      if isinstance(update.base_version, int | np.integer) else 0)
-        c = Candidate(update=update, staleness=staleness)
+        c = Candidate(update=update, staleness=staleness, norm=norm)
         try:
             if self._finished:
                 raise Rejected("this aggregation is already finished")
@@ -138,10 +192,9 @@ class RoundAggregation:
             return self.reject(update.client_id, exc.reason, num_examples=_int_or_none(
                 update.num_examples), base_version=_int_or_none(update.base_version),
                 staleness=c.staleness, norm=c.norm)
+        self._add(c.delta, c.weight)
         self._seen.add(update.client_id)
-        self.combine.add(c.delta, c.weight)
         self.total_weight += c.weight
-        self.num_accepted += 1
         verdict = Verdict(client_id=update.client_id, accepted=True,
                           num_examples=int(update.num_examples),
                           base_version=int(update.base_version), staleness=c.staleness,
@@ -153,8 +206,42 @@ class RoundAggregation:
         """The combined delta of the accepted updates (None if none was accepted)."""
         if not self._finished:
             self._finished = True
-            self._result = self.combine.result() if self.num_accepted else None
+            if self._lean is not None and self._lean[-1] is not None:
+                # the lean path added into the running sum itself: the same weights, in order
+                self.combine.total_weight = self.total_weight
+            self._lean = None  # later submissions are rejected by the staged path
+            self._result = self.combine.result() if self._seen else None
         return self._result
+
+
+_F32 = np.dtype(np.float32)
+_F32_MAX = float(np.finfo(np.float32).max)
+_new_tuple = tuple.__new__
+_LeanPlan = tuple[tuple[int], float, int, float, bool, StalenessFn | None, np.ndarray | None]
+
+
+def _lean_plan(stages: list[UpdateStage], combine: Combine, dim: int,
+               version: int) -> _LeanPlan | None:
+    """The settings of the lean path, or None when the stages are not exactly
+    ``Validate`` then optionally ``Weight`` (subclasses and other stages go staged)."""
+    if not stages or type(stages[0]) is not Validate or len(stages) > 2 \
+            or (len(stages) == 2 and type(stages[1]) is not Weight) \
+            or type(dim) is not int or dim <= 0 or type(version) is not int:
+        return None
+    validate = stages[0]
+    weight = stages[1] if len(stages) == 2 else None
+    # base_version >= version - max_staleness is staleness <= max_staleness
+    lowest_base = 0 if validate.max_staleness is None else max(
+        0, version - validate.max_staleness)
+    # A finite float32 sum of squares is at most the largest float32, and so is its root.
+    norm_bound = _F32_MAX if validate.max_norm is None else min(validate.max_norm, _F32_MAX)
+    by_examples = weight is not None and weight.by == "examples"
+    staleness_fn = None if weight is None or type(weight.staleness) is Constant \
+        else weight.staleness
+    # A weighted mean or sum is added into in place by submit (see WeightedMean).
+    running_sum = combine.running_sum if type(combine) in (WeightedMean, WeightedSum) \
+        else None
+    return (dim,), lowest_base, version, norm_bound, by_examples, staleness_fn, running_sum
 
 
 def _int_or_none(value: object) -> int | None:

@@ -15,7 +15,7 @@ from scipy.linalg.blas import sdot
 from aggregation.staleness import Constant, StalenessFn
 from aggregation.update import Rejected, Update
 
-_MAX_COUNT = 2**63 - 1  # num_examples must fit an int64 (and so a finite float32 weight)
+MAX_COUNT = 2**63 - 1  # num_examples must fit an int64 (and so a finite float32 weight)
 
 
 @dataclass
@@ -35,8 +35,9 @@ class Candidate:
         """The delta's L2 norm, computed once (one BLAS pass, in float32 like the delta)."""
         if self.norm is None:
             d = self.update.delta
-            flat32 = d.dtype == np.float32 and d.ndim == 1 and d.size and d.flags.c_contiguous
-            # scipy's sdot is np.dot without numpy's dispatch (half its cost at 10k floats)
+            flat32 = d.dtype == np.float32 and d.ndim == 1 and d.size
+            # scipy's sdot is np.dot without numpy's dispatch (half its cost at 10k floats); a
+            # strided delta is copied by the wrapper, so every float32 vector sums the same way
             self.norm = math.sqrt(float(sdot(d, d) if flat32 else np.dot(d, d)))
         return self.norm
 
@@ -71,7 +72,7 @@ class Validate(UpdateStage):
         n = u.num_examples
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n <= 0:
             raise Rejected(f"num_examples must be a positive integer, got {n!r}")
-        if n > _MAX_COUNT:
+        if n > MAX_COUNT:
             raise Rejected("num_examples does not fit an int64")
         b = u.base_version
         if isinstance(b, bool) or not isinstance(b, int | np.integer) or b < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,9 +19,11 @@ class Update:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """The fate of one update in one aggregation: accepted with a weight, or rejected."""
+class Verdict(NamedTuple):
+    """The fate of one update in one aggregation: accepted with a weight, or rejected.
+
+    Immutable, and a tuple so that it is cheap to build once per update.
+    """
 
     client_id: str
     accepted: bool

@@ -6,6 +6,10 @@ the shared pattern and binds the residual). The client then answers with the arr
 ``aggregation.compression.RoundCodec.encode`` in a "compressed" ArrayRecord instead of
 the dense "delta"; without that entry it answers as before.
 
+Under secure aggregation the same request rides in the secure round's SETUP record, for
+top-k on a shared pattern only: :func:`select_shared` picks the round's ``k`` coordinates,
+which the client then weights, quantizes and masks instead of the whole delta.
+
 With error feedback the residual (what compression has left out so far) lives in the
 node's ``Context.state``, so it carries over between rounds on every engine, also where
 each message starts a fresh process (a Flower deployment); a residual of another run or
@@ -92,6 +96,30 @@ def compress(delta: np.ndarray, request: CompressionRequest, rnd: int, state: Re
     if feedback:
         save_residual(state, request.run, u - codec.decode(arrays))
     return ArrayRecord({name: wire.npy_array(a) for name, a in arrays.items()})
+
+
+def select_shared(delta: np.ndarray, request: CompressionRequest, rnd: int, state: RecordDict,
+                  clip_range: float) -> np.ndarray:
+    """Shared-pattern top-k under secure aggregation: the round's ``k`` coordinates of the
+    delta (plus the carried residual), each clipped to ``[-clip_range, clip_range]``.
+
+    With error feedback the residual keeps everything not sent: the other coordinates and
+    what clipping took off the sent ones.
+    """
+    cfg = request.config
+    if cfg.kind != "topk" or not cfg.shared_pattern:
+        raise ValueError(f"a secure round sums only a shared pattern: got kind '{cfg.kind}', "
+                         f"shared_pattern {cfg.shared_pattern}")
+    pattern = request.codec(delta.size, rnd).pattern
+    assert pattern is not None
+    residual = load_residual(state, request.run, delta.size) if cfg.error_feedback else None
+    u = np.asarray(delta, dtype=np.float32) if residual is None else delta + residual
+    sent = np.clip(u[pattern], -clip_range, clip_range)
+    if cfg.error_feedback:
+        rest = u.copy() if residual is None else u  # never write into the caller's delta
+        rest[pattern] -= sent
+        save_residual(state, request.run, rest)
+    return sent
 
 
 def reply_record(config: ConfigRecord, delta: np.ndarray, state: RecordDict,

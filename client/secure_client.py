@@ -15,6 +15,11 @@ delta in the state, answering only "ready"; once the server has a buffer of read
 clients, ``query.secagg`` with SETUP (and the staleness factor s(tau) in ``factor``)
 starts that buffer's session on the held delta, which is scaled by s(tau) on the client.
 
+With top-k on a shared pattern (``[compression] kind = "topk"``, ``shared_pattern``) the
+SETUP record adds the compression request (``client.compression.COMPRESSION_KEY``): the
+client quantizes and masks only the round's ``k`` coordinates (plus the weight), and
+keeps the rest in its error-feedback residual.
+
 With differential privacy the SETUP record adds ``dp-clip`` (central DP: the client
 clips its delta to that L2 norm, the server noises the sum) or ``dp-plan`` (distributed
 DP: the client sends :func:`encode_distributed`'s noisy integer vector instead of the
@@ -24,12 +29,15 @@ Between messages the session (private keys included) and the quantized input liv
 only in the node's ``Context.state``, so the client also works where every message
 starts a fresh process (Flower deployment). Small protocol messages travel as bytes
 in a ConfigRecord; the masked vector as one uint8 Array, which Flower serialises in
-chunks without protobuf-encoding the payload.
+chunks without protobuf-encoding the payload. On the in-process engine the quantized
+input and the masked vector stay in reused buffers (``privacy.secagg.buffers``) that the
+state and the reply share instead of copying.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,12 +48,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from client import wire
+from client.compression import CompressionRequest, select_shared
 from privacy.dp import DistributedDPPlan, clip_l2, distributed_encode
 from privacy.dp.distributed import clip_l2_exact
 from privacy.secagg import ProtocolError, SecAggClient, Stage
+from privacy.secagg.buffers import POOL
 from privacy.secagg.messages import decode_setup, read_header
 from privacy.secagg.params import word_dtype
-from privacy.secagg.quantize import max_level
+from privacy.secagg.quantize import quantize_weighted_into
 from privacy.secagg.stages import MsgType
 
 SECAGG_ACTION = "secagg"  # message types "train.secagg" and "query.secagg"
@@ -72,7 +82,6 @@ STAGE_NAMES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 REPLY_STAGE = {MsgType.SETUP: Stage.ADVERTISE_KEYS, MsgType.PUBLIC_KEYS: Stage.SHARE_KEYS,
                MsgType.FORWARDED_SHARES: Stage.MASKED_INPUT,
                MsgType.UNMASK_REQUEST: Stage.UNMASKING}
-CHUNK = 1 << 15  # coordinates quantized per step: the float64 scratch stays in cache
 
 
 class InjectedDropout(RuntimeError):
@@ -122,52 +131,63 @@ def dropout_stage(seed: int, rnd: int, partition_id: int, dropout: float,
 def quantize_into(delta: np.ndarray, weight: float, *, clip_range: float, scale: float,
                   max_weight: float, rounding: str, out: np.ndarray,
                   rng: np.random.Generator | None = None, factor: float = 1.0) -> np.ndarray:
-    """The encoding of ``privacy.secagg.quantize_weighted``, chunk by chunk, into ``out``.
+    """The encoding of ``privacy.secagg.quantize_weighted``, chunk by chunk, into ``out``:
+    :func:`privacy.secagg.quantize.quantize_weighted_into`.
 
     ``out`` gets d+1 words: round(scale * (weight * clip(x) + max_weight * clip_range))
-    per coordinate, then round(scale * weight). Working in cache-sized float64 chunks,
-    rounding by truncating v + 1/2 (or v + U for stochastic rounding; v >= 0), makes it
-    about ten times faster than the whole-vector reference for d = 10^6. ``factor`` in
-    (0, 1] scales the clipped coordinates only (secure FedBuff's s(tau)): the sum then
-    decodes to sum(weight * factor * clip(x)) and sum(weight).
+    per coordinate, then round(scale * weight). ``factor`` in (0, 1] scales the clipped
+    coordinates only (secure FedBuff's s(tau)): the sum then decodes to
+    sum(weight * factor * clip(x)) and sum(weight).
     """
-    d = delta.size
-    if out.shape != (d + 1,):
-        raise ValueError(f"out must hold {d + 1} words, has shape {out.shape}")
-    if not 0.0 <= weight <= max_weight:
-        raise ValueError(f"weight must be in [0, {max_weight}], got {weight}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if not 0 < factor <= 1:
-        raise ValueError(f"factor must be in (0, 1], got {factor}")
-    level = max_level(clip_range, scale, max_weight)
-    a, b = weight * factor * scale, max_weight * clip_range * scale
-    x = delta.reshape(-1)
-    buf = np.empty(min(d, CHUNK))
-    noise = np.empty_like(buf) if rounding == "stochastic" else None
-    rng = rng if rng is not None else np.random.default_rng()
-    for start in range(0, d, CHUNK):
-        stop = min(d, start + CHUNK)
-        chunk, v = x[start:stop], buf[:stop - start]
-        high, low = chunk.max(), chunk.min()
-        if not (np.isfinite(high) and np.isfinite(low)):  # NaN propagates
-            raise ValueError("update has non-finite values")
-        if -clip_range <= low and high <= clip_range:  # nothing to clip: one pass fewer
-            np.multiply(chunk, a, out=v, dtype=np.float64)
-        else:
-            np.clip(chunk, -clip_range, clip_range, out=v)
-            v *= a
-        if noise is None:
-            v += b + 0.5  # v + 1/2 >= 0, so truncation below rounds to nearest
-        else:  # floor(v + U) rounds up with probability frac(v): unbiased
-            r = noise[:stop - start]
-            rng.random(out=r)
-            v += b
-            v += r
-        np.copyto(out[start:stop], v, casting="unsafe")  # truncates: v stays in [0, level]
-    w = weight * scale + (0.5 if noise is None else rng.random())
-    out[d] = min(level, int(w))
-    return out
+    return quantize_weighted_into(delta, weight, clip_range=clip_range, scale=scale,
+                                  max_weight=max_weight, rounding=rounding,  # type: ignore[arg-type]
+                                  rng=rng, factor=factor, out=out)
+
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def _input_words(dim: int, bits: int) -> np.ndarray:
+    """Writable words for a quantized input, in a reused .npy buffer (``POOL``): a fresh one
+    costs its page faults each round."""
+    dtype = word_dtype(bits)
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                               "fortran_order": False, "shape": (dim,)})
+    head = out.getvalue()
+    buf = POOL.take(len(head) + dim * dtype.itemsize)
+    buf[:len(head)] = head
+    return np.frombuffer(buf, dtype, count=dim, offset=len(head))
+
+
+def _input_record(words: np.ndarray, context: Context) -> ArrayRecord:
+    """The quantized input as the state keeps it until masking: in-process, the .npy buffer
+    of :func:`_input_words` itself (copied there first if ``words`` lies elsewhere); else
+    .npy bytes."""
+    if not context.node_config.get(wire.IN_PROCESS_KEY):
+        return ArrayRecord({"input": wire.npy_array(words)})
+    base = words.base
+    if not (isinstance(base, memoryview) and isinstance(base.obj, bytearray)
+            and base[:6] == NPY_MAGIC and len(base) > words.nbytes):
+        pooled = _input_words(words.size, 8 * words.dtype.itemsize)
+        np.copyto(pooled, words, casting="unsafe")
+        words, base = pooled, pooled.base
+    return _record("input", base, context, dtype=str(words.dtype), shape=words.shape,
+                   stype=wire.NPY_STYPE)
+
+
+def _record(name: str, data: bytes | memoryview, context: Context, *, dtype: str,
+            shape: tuple[int, ...], stype: str) -> ArrayRecord:
+    """A one-Array record over ``data``: shared in-process, where it never leaves the
+    process (no copy of d words), else copied into the ``bytes`` a transport needs."""
+    record = ArrayRecord()
+    if not context.node_config.get(wire.IN_PROCESS_KEY) or isinstance(data, bytes):
+        record[name] = Array(dtype=dtype, shape=shape, stype=stype, data=bytes(data))
+        return record
+    arr = Array(dtype=dtype, shape=shape, stype=stype, data=b"")
+    arr.data = data  # type: ignore[assignment]  # Array checks for bytes only when made
+    record[name] = arr  # (ArrayRecord({...}) would remake the Array, checking again)
+    return record
 
 
 def _settings(record: ConfigRecord) -> dict[str, Any]:
@@ -214,6 +234,19 @@ def encode_distributed(delta: np.ndarray, plan: DistributedDPPlan, rotation_seed
         delta = clip_l2_exact(delta, plan.clip)[0] * factor
     encoded, _ = distributed_encode(delta, plan, np.random.default_rng(), rotation_seed)
     return np.mod(encoded, 1 << plan.bits).astype(word_dtype(plan.bits))
+
+
+def shared_request(record: ConfigRecord) -> CompressionRequest | None:
+    """The shared-pattern top-k request in a SETUP record (``COMPRESSION_KEY``), or None."""
+    try:
+        request = CompressionRequest.from_config(record)
+    except wire.WireError as exc:
+        raise ProtocolError(str(exc)) from None
+    if request is not None and not (request.config.kind == "topk"
+                                    and request.config.shared_pattern):
+        raise ProtocolError(f"secure rounds compress only with top-k on a shared pattern, got "
+                            f"kind '{request.config.kind}'")
+    return request
 
 
 def _payload(msg: Message) -> bytes:
@@ -289,25 +322,31 @@ class SecureClient:
         session = SecAggClient(int(context.node_id), run_id=s[RUN], round_id=s[ROUND])
         update = local_update()
         distributed, dp_clip = dp_settings(msg.content[RECORD])
+        sparse = shared_request(msg.content[RECORD])
         if distributed is not None:  # distributed DP: integer noise, then masking
+            if sparse is not None:
+                raise ProtocolError("a shared top-k pattern does not combine with distributed DP")
             plan, rotation_seed = distributed
             if setup.dim != plan.padded_dim or setup.bits != plan.bits:
                 raise ProtocolError(f"SETUP announces {setup.dim} words of {setup.bits} bits, "
                                     f"the DP plan {plan.padded_dim} of {plan.bits}")
             quantized = encode_distributed(update.delta, plan, rotation_seed, factor=factor)
         else:
-            if setup.dim != update.delta.size + 1:
+            delta = update.delta
+            if sparse is not None:  # top-k on the round's shared pattern: k values are masked
+                delta = select_shared(delta, sparse, s[ROUND], context.state, s[CLIP])
+            if setup.dim != delta.size + 1:
                 raise ProtocolError(f"SETUP announces {setup.dim} words, the update has "
-                                    f"{update.delta.size} coordinates plus the weight")
+                                    f"{delta.size} coordinates plus the weight")
             examples = float(update.metrics[wire.NUM_EXAMPLES])
             weight = 1.0 if s[WEIGHT_BY] == "uniform" else min(examples, s[MAX_WEIGHT])
-            delta = update.delta if dp_clip is None else clip_l2(update.delta, dp_clip)[0]
-            quantized = np.empty(setup.dim, dtype=word_dtype(setup.bits))
+            delta = delta if dp_clip is None else clip_l2(delta, dp_clip)[0]
+            quantized = _input_words(setup.dim, setup.bits)  # a reused .npy buffer
             quantize_into(delta, weight, clip_range=s[CLIP], scale=s[SCALE],
                           max_weight=s[MAX_WEIGHT], rounding=s[ROUNDING], out=quantized,
                           rng=np.random.default_rng(_seed(seed, s[ROUND], pid)), factor=factor)
         reply = session.handle(payload)
-        context.state[INPUT] = ArrayRecord({"input": wire.npy_array(quantized)})
+        context.state[INPUT] = _input_record(quantized, context)
         self._save(context, session, s, seed, pid, drop)
         return Message(RecordDict({RECORD: ConfigRecord({MSG: bytes(reply)})}), reply_to=msg)
 
@@ -333,8 +372,9 @@ class SecureClient:
         reply = session.handle(payload)
         if kind is MsgType.FORWARDED_SHARES:
             del context.state[INPUT]
-            data = Array(dtype="uint8", shape=(len(reply),), stype="bytes", data=bytes(reply))
-            content = RecordDict({VECTOR_RECORD: ArrayRecord({VECTOR: data})})
+            vector = _record(VECTOR, reply, context, dtype="uint8", shape=(len(reply),),
+                             stype="bytes")
+            content = RecordDict({VECTOR_RECORD: vector})
         else:
             content = RecordDict({RECORD: ConfigRecord({MSG: bytes(reply)})})
         if kind is MsgType.UNMASK_REQUEST:

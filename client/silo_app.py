@@ -8,6 +8,10 @@ A silo answers the same messages as any fedring client, and one more:
 - ``train.cross_silo``: train likewise, then join the round's ring with the other silos
   (``client.silo_ring``) and reply with the digest of the aggregate; the silo at ring
   rank 0 adds the aggregate itself. The server never sees a single silo's delta.
+- ``query.cross_silo`` (secure cross-silo rounds, after ``train.secagg`` and the key
+  stages): mask the update as a SecAgg+ client does (FORWARDED_SHARES -> MASKED_INPUT,
+  ``client.secure_client``), sum the masked words over the ring and reply with the
+  digest of the masked sum; ring rank 0 adds the masked sum itself.
 - ``evaluate`` and the secure-aggregation stages, as fedring's ClientApp.
 
 Each (task, node) has its own model and data, so several silos can live in one process
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,19 +33,23 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from aggregation.ring import RingError, RingTimeout
+from client import secure_client as sc
 from client import wire
 from client.app import FedringClient, LocalUpdate, _first, noise_rng, training_seed
 from client.flat_model import FlatModel
-from client.secure_client import register_secagg
-from client.silo_ring import RingSpec, blamed_ranks, ring_aggregate
+from client.secure_client import SecureClient, register_secagg
+from client.silo_ring import RingResult, RingSpec, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
 from client.training import train, train_dp_sgd
 from privacy.dp import local_dp_update
+from privacy.secagg.messages import decode_masked_input
 
 CROSS_SILO_ACTION = "cross_silo"
 RING_RECORD = "fedring.ring"  # ConfigRecord sent by the server: RingSpec fields + the keys below
 WEIGHT_BY_KEY = "weight_by"
 MAX_NORM_KEY = "max_norm"
+BITS_KEY = "bits"  # secure rounds: the masked words' modulus 2^bits
+FAILED_KEY = "failed"  # secure rounds' reply: peers whose shares did not authenticate
 RESULT_RECORD = "fedring.ring-result"  # ConfigRecord of the reply: status, digest, ...
 AGGREGATE_RECORD = "aggregate"  # ArrayRecord of ring rank 0's reply
 WEIGHT_METRIC = "fedring.ring-weight"
@@ -133,6 +142,7 @@ class SiloClient(FedringClient):
         super().__init__(task_factory, resolve_spec)
         self.group = group
         self.workers = WorkerCache(task_factory, torch.device(device))
+        self.secure = SecureClient(self.local_update)  # its session lives in Context.state
         self._specs: dict[str, str] = {}
 
     def _task_key(self, config: ConfigRecord, context: Context) -> str:
@@ -182,11 +192,7 @@ class SiloClient(FedringClient):
 
     def cross_silo(self, msg: Message, context: Context) -> Message:
         """Train, join the round's ring, reply with the digest (ring rank 0: and the aggregate)."""
-        ring = msg.content.get(RING_RECORD)
-        if not isinstance(ring, ConfigRecord):
-            raise wire.WireError(f"a cross-silo message needs a '{RING_RECORD}' record")
-        names = {f.name for f in dataclasses.fields(RingSpec)}
-        spec = RingSpec(**{k: v for k, v in ring.items() if k in names})
+        ring, spec = ring_spec(msg)
         update = self.local_update(msg, context)
         metrics = update.metrics
         weight = (float(metrics[wire.NUM_EXAMPLES]) if ring.get(WEIGHT_BY_KEY) == "examples"
@@ -201,11 +207,35 @@ class SiloClient(FedringClient):
         result = ConfigRecord({"status": STATUS_OK, "ring-rank": spec.rank,
                                "rejected": reason or ""})
         device = self.workers.device
+        return self._ring_reply(msg, metrics, result, spec, lambda: ring_aggregate(
+            delta, weight, spec, cuda_device=device.index or 0))
+
+    def secure_ring(self, msg: Message, context: Context) -> Message:
+        """Mask this silo's update (its SecAgg+ session answers FORWARDED_SHARES), sum the
+        masked words over the round's ring, reply with the masked sum's digest (ring rank
+        0: and the masked sum). The masked vector itself goes only into the ring."""
+        ring, spec = ring_spec(msg)
+        bits = ring.get(BITS_KEY)
+        if isinstance(bits, bool) or not isinstance(bits, int):
+            raise wire.WireError(f"a secure cross-silo message needs an integer '{BITS_KEY}'")
+        masked = self.secure.query(msg, context)  # FORWARDED_SHARES -> MASKED_INPUT
+        _, own = decode_masked_input(masked.content[sc.VECTOR_RECORD][sc.VECTOR].data)
+        result = ConfigRecord({"status": STATUS_OK, "ring-rank": spec.rank,
+                               FAILED_KEY: [int(v) for v in own.failed]})
+        device = self.workers.device
+        return self._ring_reply(msg, MetricRecord(), result, spec, lambda: ring_sum_words(
+            own.vector, bits, spec, cuda_device=device.index or 0))
+
+    def _ring_reply(self, msg: Message, metrics: MetricRecord, result: ConfigRecord,
+                    spec: RingSpec, run: Callable[[], RingResult]) -> Message:
+        """Run this silo's part of the ring; the reply: the digest (ring rank 0: and the
+        aggregate), or the failure and the ring ranks it points at."""
+        device = self.workers.device
         try:
             if spec.backend == "nccl" and device.type != "cuda":
                 raise RingError(f"silo.backend 'nccl' needs a GPU in every silo; this one runs "
                                 f"on {device}", step="setup")
-            out = ring_aggregate(delta, weight, spec, cuda_device=device.index or 0)
+            out = run()
         except RingError as exc:
             result["status"] = STATUS_TIMEOUT if isinstance(exc, RingTimeout) \
                 else STATUS_RING_ERROR
@@ -221,11 +251,22 @@ class SiloClient(FedringClient):
         return Message(content, reply_to=msg)
 
 
+def ring_spec(msg: Message) -> tuple[ConfigRecord, RingSpec]:
+    """The ring record of a cross-silo message and the silo's place in the ring."""
+    ring = msg.content.get(RING_RECORD)
+    if not isinstance(ring, ConfigRecord):
+        raise wire.WireError(f"a cross-silo message needs a '{RING_RECORD}' record")
+    names = {f.name for f in dataclasses.fields(RingSpec)}
+    return ring, RingSpec(**{k: v for k, v in ring.items() if k in names})
+
+
 def make_silo_client_app(client: SiloClient) -> ClientApp:
-    """A ClientApp serving ``client``: train, train.cross_silo, evaluate and secagg."""
+    """A ClientApp serving ``client``: train, train.cross_silo, query.cross_silo, evaluate
+    and secagg."""
     app = ClientApp()
     app.train()(client.train)
     app.train(CROSS_SILO_ACTION)(client.cross_silo)
+    app.query(CROSS_SILO_ACTION)(client.secure_ring)
     app.evaluate()(client.evaluate)
     register_secagg(app, client.local_update)
     return app

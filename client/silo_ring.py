@@ -5,7 +5,8 @@ the ring (``aggregation.ring.allreduce``), so every silo ends with the same weig
 sum, total weight and count, bit for bit; the aggregate is the weighted mean (or the
 sum) and its :func:`aggregate_digest` is what the server checks every silo against.
 Whatever a silo put into its delta (local DP noise, for one) passes through unchanged:
-the ring only adds.
+the ring only adds. Under secure aggregation a silo sums its masked words instead
+(:func:`ring_sum_words`: unsigned integers that wrap, reduced mod 2^bits).
 
 The collective runs in a child process whose default process group is this round's
 ring, created for the round and gone with the process: a silo's own process group (its
@@ -95,7 +96,7 @@ def blamed_ranks(exc: RingError) -> list[int]:
 class RingResult:
     """What every silo of a completed ring holds (identical bits everywhere)."""
 
-    aggregate: np.ndarray  # float32: the weighted mean (or sum) of the silos' deltas
+    aggregate: np.ndarray  # float32 weighted mean (or sum) of the deltas, or the masked sum
     total_weight: float
     count: int  # silos that contributed a non-zero weight
     digest: str
@@ -103,8 +104,11 @@ class RingResult:
 
 
 def aggregate_digest(aggregate: np.ndarray, total_weight: float, count: int) -> str:
-    """sha256 of the aggregate's float32 bytes, its total weight and its count."""
-    h = hashlib.sha256(np.ascontiguousarray(aggregate, dtype=np.float32).tobytes())
+    """sha256 of the aggregate's float32 bytes (a masked sum: its words), its total weight
+    and its count."""
+    words = aggregate.dtype.kind == "u"
+    h = hashlib.sha256(np.ascontiguousarray(aggregate, dtype=None if words else np.float32)
+                       .tobytes())
     h.update(struct.pack("<dq", float(total_weight), int(count)))
     return h.hexdigest()
 
@@ -250,6 +254,48 @@ def ring_aggregate(delta: np.ndarray, weight: float, spec: RingSpec, *,
     view = buf.numpy()
     np.multiply(delta.reshape(-1), np.float32(w), out=view[:n], casting="same_kind")
     view[n], view[n + 1] = w, 1.0 if w > 0 else 0.0
+    seconds = _run_ring(buf, spec, cuda_device)
+    total_weight, count = float(view[n]), round(float(view[n + 1]))
+    aggregate = view[:n].copy()
+    if spec.combine == "mean" and total_weight > 0:
+        aggregate /= np.float32(total_weight)
+    return RingResult(aggregate=aggregate, total_weight=total_weight, count=count,
+                      digest=aggregate_digest(aggregate, total_weight, count), seconds=seconds)
+
+
+_WORDS = {np.dtype("<u4"): torch.uint32, np.dtype("<u8"): torch.uint64}
+
+
+def ring_sum_words(words: np.ndarray, bits: int, spec: RingSpec, *,
+                   cuda_device: int = 0) -> RingResult:
+    """Join the round's ring with a masked vector: the silos' sum of ``words`` mod 2^bits.
+
+    ``words`` are unsigned integers below 2^bits; they travel as uint32 (bits <= 32) or
+    uint64 words, which wrap modulo 2^32 or 2^64 in the ring, and the sum is then reduced
+    mod 2^bits. One more word counts the silos. The result's ``aggregate`` is the masked
+    sum (``total_weight`` 0: the weights are under the masks). Errors as
+    :func:`ring_aggregate`.
+    """
+    wide = np.dtype("<u4") if bits <= 32 else np.dtype("<u8")
+    if not 1 <= bits <= 64 or words.dtype.kind != "u" or words.dtype.itemsize > wide.itemsize:
+        raise ValueError(f"words must be unsigned integers of at most {bits} bits, got "
+                         f"{words.dtype} with bits = {bits}")
+    n = int(words.size)
+    buf = torch.empty(n + 1, dtype=_WORDS[wide]).share_memory_()
+    view = buf.numpy()
+    view[:n] = words.reshape(-1)
+    view[n] = 1
+    seconds = _run_ring(buf, spec, cuda_device)
+    total = view[:n].copy()
+    if bits < 8 * wide.itemsize:
+        np.bitwise_and(total, wide.type((1 << bits) - 1), out=total)
+    count = int(view[n])
+    return RingResult(aggregate=total, total_weight=0.0, count=count,
+                      digest=aggregate_digest(total, 0.0, count), seconds=seconds)
+
+
+def _run_ring(buf: torch.Tensor, spec: RingSpec, cuda_device: int) -> float:
+    """Sum the shared ``buf`` in place over the round's ring, in a child process; seconds."""
     ctx = _context()
     reader, writer = ctx.Pipe(duplex=False)
     started = time.monotonic()
@@ -280,9 +326,4 @@ def ring_aggregate(delta: np.ndarray, weight: float, spec: RingSpec, *,
         raise (RingTimeout if timed_out else RingError)(text, step=step, peer=peer)
     if outcome[0] == "error":
         raise RingError(f"ring rank {spec.rank}: {outcome[1]}", step="setup")
-    total_weight, count = float(view[n]), round(float(view[n + 1]))
-    aggregate = view[:n].copy()
-    if spec.combine == "mean" and total_weight > 0:
-        aggregate /= np.float32(total_weight)
-    return RingResult(aggregate=aggregate, total_weight=total_weight, count=count,
-                      digest=aggregate_digest(aggregate, total_weight, count), seconds=seconds)
+    return seconds

@@ -17,6 +17,12 @@ client keeps its update and reports "ready", and each buffer of K ready clients 
 summed under SecAgg+, so the server never sees a single update. The secure stages take
 no simulated time: the simulated clock counts training only.
 
+With ``[compression]`` (and no secagg) each task asks its client to compress the delta
+it uploads, and each reply is decoded with the codec of the task's own round (its base
+version + 1), so a stale reply decodes as it was encoded. Each store round records its
+bytes: ``bytes_up`` of the replies it processed (and of its secure stages),
+``bytes_down`` of what was pushed since the previous aggregate.
+
 Both run on any Grid and on either clock (see ``server.clock``). On a simulated clock
 events are processed in time order, ties by node id, and new tasks are handed out once
 every event of that instant is processed. Every applied aggregate is one store round
@@ -37,6 +43,7 @@ from flwr.serverapp import Grid
 
 from aggregation import Pipeline, Update, Validate, Verdict, Weight, WeightedMean
 from client import secure_client, wire
+from client.compression import COMPRESSION_KEY
 from server.clock import Clock
 from server.dp import DPController
 from server.replies import decode_train_reply
@@ -46,6 +53,7 @@ from server.secure_round import session_id
 from server.store import Store, UpdateRecord
 from server.sync_driver import SyncDriver, _record, wait_for_nodes
 from server.task import ServerTask
+from server.wire_bytes import payload_bytes
 
 
 @dataclass
@@ -70,6 +78,7 @@ class Event:
     time: float
     reply: Message | None
     reason: str | None = None
+    nbytes: int = 0  # payload bytes of the reply pulled (also when it does not count)
 
 
 class InFlight:
@@ -143,12 +152,13 @@ class InFlight:
             del self.tasks[task.msg_id]
             reply = replies.get(task.msg_id)
             if task.fate != "reply":  # its reply, if any, is discarded
-                events.append(Event(task, t, None, task.reason))
+                events.append(Event(task, t, None, task.reason,
+                                    payload_bytes(reply) if reply is not None else 0))
             elif reply is None:
                 events.append(Event(task, t, None,
                                     f"late: no reply within {self.wall_limit:g} s"))
             else:
-                events.append(Event(task, t, reply))
+                events.append(Event(task, t, reply, nbytes=payload_bytes(reply)))
         return events
 
     def _pull(self, ids: list[str]) -> dict[str, Message]:
@@ -170,7 +180,8 @@ class InFlight:
             events = []
             for task in sorted(self.tasks.values(), key=lambda task: task.seq):
                 if task.msg_id in arrived:
-                    events.append(Event(task, now, arrived[task.msg_id]))
+                    reply = arrived[task.msg_id]
+                    events.append(Event(task, now, reply, nbytes=payload_bytes(reply)))
                 elif mono - task.pushed_at > self.deadline:
                     events.append(Event(task, now, None,
                                         f"late: no reply within {self.deadline:g} s"))
@@ -250,7 +261,7 @@ class AsyncDriver(SyncDriver):
         self.size = 1 if self.mixing else self.driver.buffer_size
         weight = _weight_stage(pipeline)
         self.staleness_fn = weight.staleness if weight is not None else (lambda tau: 1.0)
-        self.inflight = InFlight(grid, self.clock,
+        self.inflight = InFlight(self.grid, self.clock,  # the byte-counting grid
                                  deadline=self.driver.deadline(self.fed.round_timeout_s),
                                  wall_limit=self.fed.round_timeout_s, poll=self.fed.poll_s)
         self._ready: deque[Event] = deque()
@@ -262,6 +273,8 @@ class AsyncDriver(SyncDriver):
         self._records: list[UpdateRecord] = []
         self._losses: list[tuple[float, float]] = []
         self._staleness: list[int] = []
+        self._run_id = ""  # the run being driven (names the compression of its tasks)
+        self._bytes_up = 0  # payload of the replies processed since the last aggregate
 
     # ---- handing out tasks
 
@@ -283,6 +296,8 @@ class AsyncDriver(SyncDriver):
         config = ConfigRecord({"server-round": state.version + 1,
                                wire.VERSION_KEY: state.version, wire.REPLY_KEY: "delta",
                                wire.TASK_KEY: self.task_json, wire.SEED_KEY: self.seed})
+        if self.compression is not None:  # compressed uploads, decoded per task in _process
+            config[COMPRESSION_KEY] = self.compression.request(self._run_id)
         content = RecordDict({"arrays": wire.model_record(self.layout, state.params),
                               "config": config})
         kind = "train" if self.secure is None else f"train.{secure_client.HOLD_ACTION}"
@@ -316,6 +331,7 @@ class AsyncDriver(SyncDriver):
     def _process(self, ev: Event, rnd: int) -> None:
         task, buffer = ev.task, self._buffer
         assert buffer is not None
+        self._bytes_up += ev.nbytes
         client_id = str(task.node)
         if ev.reply is None:
             self._records.append(UpdateRecord(client_id=client_id, fate="dropped",
@@ -330,9 +346,11 @@ class AsyncDriver(SyncDriver):
             if sender != task.node:
                 raise wire.WireError(f"reply to the message sent to node {task.node} says it "
                                      f"comes from node {sender}")
+            codec = None if self.compression is None else self.compression.codec(
+                self._run_id, task.base_version + 1, self.layout.dim)  # its "server-round"
             update = decode_train_reply(ev.reply, client_id=client_id, layout=self.layout,
                                         base_params=self._bases[task.base_version],
-                                        version=task.base_version)
+                                        version=task.base_version, codec=codec)
         except wire.WireError as exc:
             self._records.append(_record(buffer.reject(client_id, str(exc))))
             self.reporter.message(f"version {self.state.version}: rejected client "
@@ -364,8 +382,11 @@ class AsyncDriver(SyncDriver):
 
     def _secure_step(self, buffer: SecureBuffer, run_id: str, rnd: int) -> np.ndarray | None:
         """Secure FedBuff: the buffer's secure sum as FedBuff's aggregate (None: aborted)."""
+        before = self.grid.up
         step = buffer.finish(self.grid, dim=self.layout.dim, session=session_id(run_id),
-                             rnd=rnd, timeout=self.fed.round_timeout_s, poll=self.fed.poll_s)
+                             rnd=rnd, timeout=self.fed.round_timeout_s, poll=self.fed.poll_s,
+                             sparse=self.secure.pattern(run_id, rnd, self.layout.dim))
+        self._bytes_up += self.grid.up - before  # the secure stages' replies
         self._records += buffer.records()
         if step is None:
             outcome = buffer.outcome
@@ -400,6 +421,7 @@ class AsyncDriver(SyncDriver):
         """Process replies until one aggregate is applied; record it as round ``rnd``."""
         t0 = time.perf_counter()
         state = self.state
+        self._run_id = run_id
         nodes = wait_for_nodes(self.grid, self.fed)
         self.clock.bind(nodes)
         self._resume_clock()
@@ -439,6 +461,7 @@ class AsyncDriver(SyncDriver):
             metrics["sim_time_s"] = self.clock.now()
         if self._staleness:
             metrics["staleness_mean"] = float(np.mean(self._staleness))
+        metrics.update(self._traffic())
         if self._losses:
             metrics["train_loss"] = float(np.average([loss for loss, _ in self._losses],
                                                      weights=[w for _, w in self._losses]))
@@ -468,6 +491,13 @@ class AsyncDriver(SyncDriver):
                                                          for k, v in counts.items()}})
         return metrics
 
+    def _traffic(self) -> dict[str, float]:
+        """Bytes of this aggregate: the replies it processed (each counted in the round
+        that handles it) and the tasks pushed since the previous aggregate."""
+        down = self.grid.since_last()["bytes_down"]
+        up, self._bytes_up = self._bytes_up, 0
+        return {"bytes_up": float(up), "bytes_down": down}
+
     def _prune_bases(self) -> None:
         keep = {t.base_version for t in self.inflight.tasks.values()}
         keep |= {ev.task.base_version for ev in self._ready}
@@ -491,12 +521,13 @@ class AsyncDriver(SyncDriver):
                     for ev in self._ready]
         if records:
             last = self.state.history[-1] if self.state.history else {}
+            self._bytes_up += sum(ev.nbytes for ev in self._ready)
             self.store.record_round(run_id, round=self.state.round + 1, model_version=version,
                                     status="aborted", num_sampled=len(records),
                                     num_replies=replies,
                                     num_rejected=sum(r.fate == "rejected" for r in records),
                                     num_dropped=sum(r.fate == "dropped" for r in records),
-                                    metrics=dict(last), updates=records)
+                                    metrics={**last, **self._traffic()}, updates=records)
         self._records, self._ready = [], deque()
         super()._finish_extras(run_id, summary)
         summary["buffer_size"] = self.size

@@ -12,16 +12,26 @@ Validate stage. With secure aggregation the server sees only a masked sum, so:
   and ``secagg.bits`` to the smallest modulus that gives each client at least
   ``2^compression.bits`` levels for a round's clients; the secure path keeps at least 8
   bits, so ``compression.bits`` must be >= 8 there.
-- ``kind = "topk"`` is refused: each client would keep different coordinates, so masks
-  and values would not line up in the sum; a shared pattern (rand-k on a pattern derived
-  from run and round) would line up, but the secure round does not route it yet.
+- ``kind = "topk"`` with ``shared_pattern = true`` (rand-k on a pattern derived from run
+  and round) lines up: every client of a secure round (or of a secure FedBuff buffer)
+  masks only the round's ``k`` values plus its weight, so SecAgg+ sums ``k + 1`` words
+  instead of ``d + 1``, and the server scatters the unmasked sum back into the ``d``
+  coordinates (:class:`SharedPattern`). Plain top-k is refused: each client would keep
+  other coordinates, so masks and values would not line up in the sum. Distributed DP
+  plans its own encoding of the whole vector and is refused with it.
+
+Without secure aggregation both drivers compress: sync rounds and the async drivers
+(FedBuff, FedAsync), which decode each reply with the codec of the round it was sent in.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from aggregation.compression import CompressionConfig, RoundCodec
 from client.compression import CompressionRequest
@@ -44,10 +54,8 @@ def check_compression(config: dict[str, Any], raw_secagg: Mapping[str, Any]) -> 
         return
     secure = bool(config.get("secagg", {}).get("enabled", False))
     driver = dict(config.get("driver", {}))
-    if not secure and driver.get("kind", "sync") != "sync":
-        raise ValueError(f"compression.kind = '{cfg.kind}' runs in synchronous rounds: "
-                         f"driver.kind = '{driver.get('kind')}' does not ask its clients to "
-                         "compress yet; use driver.kind = 'sync' or compression.kind = 'none'")
+    if driver.get("kind", "sync") == "cross_silo":
+        return  # the cross-silo check refuses it with its own message
     if cfg.shared_pattern and driver.get("late_policy", "drop") == "carry":
         raise ValueError("compression.shared_pattern ties the coordinates to one round, so a "
                          "late update carried into the next round would not line up: set "
@@ -57,11 +65,14 @@ def check_compression(config: dict[str, Any], raw_secagg: Mapping[str, Any]) -> 
     if cfg.kind == "topk":
         if not cfg.shared_pattern:
             raise ValueError("compression.kind = 'topk' with secagg: each client keeps other "
-                             "coordinates, so the masked sum cannot line up; use "
-                             "compression.kind = 'qsgd' (it composes with secagg)")
-        raise ValueError("compression.shared_pattern with secagg: the secure round does not "
-                         "sum a shared coordinate pattern yet; use compression.kind = 'qsgd' "
-                         "with secagg, or shared_pattern without secagg")
+                             "coordinates, so the masked sum cannot line up; set "
+                             "compression.shared_pattern = true (every client sends the same "
+                             "coordinates) or use compression.kind = 'qsgd'")
+        if dict(config.get("dp", {})).get("mode", "off") == "distributed":
+            raise ValueError("compression.shared_pattern with dp.mode = 'distributed': "
+                             "distributed DP encodes the whole vector; set compression.kind = "
+                             "'none' or dp.mode = 'central'")
+        return
     _resolve_secure_qsgd(config, cfg, raw_secagg)
 
 
@@ -122,3 +133,38 @@ class ReplyCompression:
 
     def codec(self, run_id: str, rnd: int, dim: int) -> RoundCodec:
         return RoundCodec.for_round(self.config, dim, run=session_number(run_id), rnd=rnd)
+
+
+@dataclass(frozen=True)
+class RoundPattern:
+    """One secure round's shared pattern: the request the clients get in their SETUP
+    record, and the sorted coordinates whose sum the round unmasks."""
+
+    request: str
+    indices: np.ndarray  # uint32, sorted
+
+    def scatter(self, values: np.ndarray, dim: int) -> np.ndarray:
+        """The ``dim`` coordinates of the pattern's ``values`` (zero elsewhere)."""
+        out = np.zeros(dim, dtype=values.dtype)
+        out[self.indices] = values
+        return out
+
+
+class SharedPattern:
+    """Top-k on a shared pattern under secure aggregation (see the module's docstring)."""
+
+    def __init__(self, config: CompressionConfig) -> None:
+        self.config = config
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SharedPattern | None:
+        """None unless secagg is on and clients send top-k on a shared pattern."""
+        cfg = compression_config(config)
+        secure = config.get("secagg", {}).get("enabled", False)
+        return cls(cfg) if secure and cfg.kind == "topk" and cfg.shared_pattern else None
+
+    def for_round(self, run_id: str, rnd: int, dim: int) -> RoundPattern:
+        request = CompressionRequest(self.config, session_number(run_id))
+        pattern = request.codec(dim, rnd).pattern
+        assert pattern is not None
+        return RoundPattern(request.to_json(), pattern)

@@ -19,6 +19,9 @@ blames; the server then stops waiting once every silent silo is named, and at th
 Silos that caused it (no reply: hung or dead; an error of their own; a digest that
 disagrees) are excluded from later rounds, with the reason stored, so the next round runs
 without them. The round's metrics hold the ring's figures.
+
+With ``[secagg] enabled`` the silos are SecAgg+ clients and the ring sums their masked
+vectors instead (``server.cross_silo_secure``): the server sees only the masked sum.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from client import wire
 from client.silo_app import (
     AGGREGATE_RECORD,
     CROSS_SILO_ACTION,
+    FAILED_KEY,
     MAX_NORM_KEY,
     NORM_METRIC,
     RESULT_RECORD,
@@ -62,6 +66,7 @@ class SiloReply:
     status: str  # ok, ring-timeout, ring-error, error or missing
     reason: str = ""
     rejected: str = ""  # why the silo kept its own update out (weight 0)
+    failed: tuple[int, ...] = ()  # secure rounds: peers whose shares did not authenticate
     digest: str = ""
     total_weight: float = 0.0
     count: int = 0
@@ -73,8 +78,10 @@ class SiloReply:
     aggregate: np.ndarray | None = None
 
 
-def decode_reply(node: int, rank: int, reply: Message | None) -> SiloReply:
-    """A silo's reply as a :class:`SiloReply` (``missing`` or ``error`` when it is no answer)."""
+def decode_reply(node: int, rank: int, reply: Message | None,
+                 words: np.dtype | None = None) -> SiloReply:
+    """A silo's reply as a :class:`SiloReply` (``missing`` or ``error`` when it is no answer);
+    with ``words`` ring rank 0's aggregate is a masked sum of that unsigned dtype."""
     if reply is None:
         return SiloReply(node, rank, MISSING, "no reply before the deadline: the silo hung "
                                               "or died")
@@ -96,12 +103,21 @@ def decode_reply(node: int, rank: int, reply: Message | None) -> SiloReply:
                     metrics=numbers)
     examples = metrics.get(wire.NUM_EXAMPLES)
     out.num_examples = int(examples) if isinstance(examples, int | float) else None
+    failed = result.get(FAILED_KEY, [])
+    if not isinstance(failed, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                           for v in failed):
+        out.status, out.reason = ERROR, f"'{FAILED_KEY}' is not a list of node ids"
+        return out
+    out.failed = tuple(failed)
     if out.status == STATUS_OK and rank == 0:
         record = reply.content.get(AGGREGATE_RECORD)
         try:
             if not isinstance(record, ArrayRecord):
                 raise wire.WireError(f"ring rank 0's reply lacks '{AGGREGATE_RECORD}'")
-            out.aggregate = np.array(wire.read_delta(record), dtype=np.float32)
+            raw = wire.read_delta(record)
+            if words is not None and raw.dtype != words:
+                raise wire.WireError(f"the masked sum has {raw.dtype} words, expected {words}")
+            out.aggregate = np.array(raw, dtype=words or np.float32)
         except wire.WireError as exc:
             out.status, out.reason = ERROR, f"bad aggregate: {exc}"
     return out
@@ -157,9 +173,26 @@ class CrossSiloOutcome:
         return out
 
 
-def judge(order: list[int], replies: dict[int, Message], dim: int) -> CrossSiloOutcome:
-    """The verdict on a round's replies: the aggregate, or the failure and whom to exclude."""
-    silos = [decode_reply(node, rank, replies.get(node)) for rank, node in enumerate(order)]
+@dataclass
+class RoundDone:
+    """What a cross-silo round did, for its record: applied or not, the round's status, every
+    silo's fate, the ring's figures, and what its privacy cost (None: a full round's)."""
+
+    applied: bool
+    status: str  # completed, failed or aborted
+    records: list[UpdateRecord]
+    metrics: dict[str, float]
+    replies: int
+    noise_multiplier: float | None = None
+
+
+def judge(order: list[int], replies: dict[int, Message], dim: int,
+          words: np.dtype | None = None) -> CrossSiloOutcome:
+    """The verdict on a round's replies: the aggregate, or the failure and whom to exclude.
+    With ``words`` the aggregate is a masked sum of ``dim`` such words (its weight is
+    under the masks, so no weight is checked)."""
+    silos = [decode_reply(node, rank, replies.get(node), words)
+             for rank, node in enumerate(order)]
     outcome = CrossSiloOutcome(order=list(order), silos=silos)
     for s in silos:
         if s.status in (MISSING, ERROR):
@@ -193,7 +226,7 @@ def judge(order: list[int], replies: dict[int, Message], dim: int) -> CrossSiloO
     if outcome.blamed:
         outcome.failure = f"digest mismatch: {len(outcome.blamed)} silo(s) disagree"
         return outcome
-    if leader.total_weight <= 0:
+    if leader.total_weight <= 0 and words is None:
         outcome.failure = "no silo contributed an update (every weight was zero)"
         return outcome
     outcome.aggregate = aggregate
@@ -260,28 +293,37 @@ class CrossSiloDriver(SyncDriver):
                                                                    replace=False))
         return [sampled[int(i)] for i in rng.permutation(len(sampled))]
 
-    def _messages(self, run_id: str, rnd: int, order: list[int]) -> list[Message]:
+    def round_config(self, rnd: int) -> ConfigRecord:
+        """The training config every silo gets with the model."""
+        return ConfigRecord({"server-round": rnd, wire.VERSION_KEY: self.state.version,
+                             wire.REPLY_KEY: "delta", wire.TASK_KEY: self.task_json,
+                             wire.SEED_KEY: self.seed})
+
+    def ring_records(self, run_id: str, rnd: int, order: list[int],
+                     **extra: Any) -> list[ConfigRecord]:
+        """Each silo's place in this round's ring (``order``), plus ``extra`` keys."""
         assert self.rendezvous is not None
         prefix = f"{run_id}/round-{rnd}/{uuid.uuid4().hex[:8]}"  # a rerun gets a fresh one
-        config = ConfigRecord({"server-round": rnd, wire.VERSION_KEY: self.state.version,
-                               wire.REPLY_KEY: "delta", wire.TASK_KEY: self.task_json,
-                               wire.SEED_KEY: self.seed})
-        arrays = wire.model_record(self.layout, self.state.params)
-        messages = []
-        for rank, node in enumerate(order):
+        records = []
+        for rank in range(len(order)):
             spec = RingSpec(host=self.rendezvous.host, port=self.rendezvous.port, prefix=prefix,
                             rank=rank, size=len(order), join_timeout_s=self.silo.join_timeout_s,
                             ring_timeout_s=self.silo.ring_timeout_s,
                             algorithm=self.silo.algorithm, backend=self.silo.backend,
                             combine="sum" if self.combine == "sum" else "mean")
-            ring = ConfigRecord({**spec.to_dict(), WEIGHT_BY_KEY: self.weight_by,
-                                 MAX_NORM_KEY: self.max_norm})
-            content = RecordDict({"arrays": arrays, "config": config, RING_RECORD: ring})
-            messages.append(Message(content, node, f"train.{CROSS_SILO_ACTION}",
-                                    group_id=str(rnd)))
-        return messages
+            records.append(ConfigRecord({**spec.to_dict(), **extra}))
+        return records
 
-    def _exchange(self, rnd: int, messages: list[Message]) -> dict[int, Message]:
+    def _messages(self, run_id: str, rnd: int, order: list[int]) -> list[Message]:
+        config = self.round_config(rnd)
+        arrays = wire.model_record(self.layout, self.state.params)
+        rings = self.ring_records(run_id, rnd, order,
+                                  **{WEIGHT_BY_KEY: self.weight_by, MAX_NORM_KEY: self.max_norm})
+        return [Message(RecordDict({"arrays": arrays, "config": config, RING_RECORD: ring}),
+                        node, f"train.{CROSS_SILO_ACTION}", group_id=str(rnd))
+                for node, ring in zip(order, rings, strict=True)]
+
+    def exchange(self, rnd: int, messages: list[Message]) -> dict[int, Message]:
         """Push, then collect replies until all came or the deadline passed. Once a silo
         reports a failure, stop waiting as soon as every silo still silent has been named by
         a failure report (it hangs or is gone), and at the latest after a grace period for
@@ -314,13 +356,28 @@ class CrossSiloDriver(SyncDriver):
             time.sleep(self.fed.poll_s)
         return replies
 
+    def exclude(self, rnd: int, blamed: dict[int, str]) -> None:
+        """Leave ``blamed`` silos out of later rounds, with the reason."""
+        for node, why in blamed.items():
+            self.excluded[node] = why
+            self.reporter.message(f"round {rnd}: silo {node} takes no further part: {why}")
+
     def run_round(self, run_id: str, rnd: int) -> dict[str, float]:
         """One cross-silo round: send, let the silos aggregate, verify, apply, record."""
         t0 = time.perf_counter()
-        state = self.state
         order = self.ring_order(rnd)
         self.reporter.round_started(rnd, len(order))
-        replies = self._exchange(rnd, self._messages(run_id, rnd, order))
+        if self.secure is not None:  # SecAgg+ silos: the ring sums masked vectors
+            from server.cross_silo_secure import secure_ring_round
+
+            done = secure_ring_round(self, run_id, rnd, order)
+        else:
+            done = self._plain_round(run_id, rnd, order)
+        return self._finish_round(run_id, rnd, t0, order, done)
+
+    def _plain_round(self, run_id: str, rnd: int, order: list[int]) -> RoundDone:
+        state = self.state
+        replies = self.exchange(rnd, self._messages(run_id, rnd, order))
         outcome = judge(order, replies, self.layout.dim)
         self.last = outcome
         records = outcome.records(state.version)
@@ -332,31 +389,33 @@ class CrossSiloDriver(SyncDriver):
         else:
             self.reporter.message(f"round {rnd}: cross-silo round failed: {outcome.failure}; "
                                   "the model is unchanged")
-        for node, why in outcome.blamed.items():
-            self.excluded[node] = why
-            self.reporter.message(f"round {rnd}: silo {node} takes no further part: {why}")
-        state.round = rnd
-        metrics = {k: float(v) for k, v in self.task.evaluate(state.params).items()}
-        metrics.update(outcome.metrics())
+        self.exclude(rnd, outcome.blamed)
+        metrics = outcome.metrics()
         losses = [(s.metrics["train_loss"], s.num_examples or 0) for s in outcome.silos
                   if "train_loss" in s.metrics]
         if losses and sum(w for _, w in losses) > 0:
             metrics["train_loss"] = float(np.average([v for v, _ in losses],
                                                      weights=[w for _, w in losses]))
-        if self.dp is not None:
-            spent = self.dp.end_round(released=outcome.completed)
-            self.store.record_privacy(run_id, round=rnd, mode=self.dp.config.mode,
-                                      accountant=self.dp.config.accountant,
-                                      epsilon=spent.epsilon, delta=spent.delta,
-                                      noise_multiplier=spent.noise_multiplier, clip=spent.clip,
-                                      sampling_rate=spent.sampling_rate)
-            metrics.update(epsilon=spent.epsilon, clip=spent.clip)
+        return RoundDone(applied=outcome.completed,
+                         status="completed" if outcome.completed else "failed",
+                         records=records, metrics=metrics, replies=len(replies))
+
+    def _finish_round(self, run_id: str, rnd: int, t0: float, order: list[int],
+                      done: RoundDone) -> dict[str, float]:
+        """Evaluate, charge privacy, record the round and its fates, checkpoint, report."""
+        state = self.state
+        state.round = rnd
+        metrics = {k: float(v) for k, v in self.task.evaluate(state.params).items()}
+        metrics.update(done.metrics)
+        metrics.update(self.grid.since_last())  # bytes_up, bytes_down
+        self.account_privacy(run_id, rnd, released=done.applied, metrics=metrics,
+                             noise_multiplier=done.noise_multiplier)
+        records = done.records
         counts = {f: sum(r.fate == f for r in records) for f in ("accepted", "rejected",
                                                                  "dropped")}
         self.store.record_round(run_id, round=rnd, model_version=state.version,
-                                status="completed" if outcome.completed else "failed",
-                                num_sampled=len(order), num_replies=len(replies),
-                                num_accepted=counts["accepted"],
+                                status=done.status, num_sampled=len(order),
+                                num_replies=done.replies, num_accepted=counts["accepted"],
                                 num_rejected=counts["rejected"], num_dropped=counts["dropped"],
                                 metrics=metrics, wall_s=time.perf_counter() - t0,
                                 updates=records)

@@ -1,7 +1,9 @@
 """The ``[silo]`` scenario section: how silos meet over the ring in cross-silo rounds.
 
 Cross-silo rounds run with ``[driver] kind = "cross_silo"``; ``check_cross_silo`` refuses
-the combinations the ring cannot honour, at start, naming the key to change.
+the combinations the ring cannot honour, at start, naming the key to change. With
+``[secagg] enabled`` the ring sums masked vectors (``server.cross_silo_secure``); the
+``[secagg]`` and ``[dp]`` checks then apply as for sync secure rounds.
 """
 
 from __future__ import annotations
@@ -73,14 +75,13 @@ def check_cross_silo(config: Mapping[str, Any]) -> SiloConfig | None:
                          f"the server never sees one; aggregation.combine "
                          f"'{agg['combine']}' needs them all: use 'mean' or 'sum'")
     dp_mode = config.get("dp", {}).get("mode", "off")
-    if dp_mode not in ("off", "local"):
-        raise ValueError(f"dp.mode '{dp_mode}' clips and noises individual updates on the "
-                         "server, which never sees them with driver.kind 'cross_silo': use "
-                         "dp.mode = 'local' (each silo noises its own update; the noise "
-                         "passes through the ring unchanged)")
-    if config.get("secagg", {}).get("enabled"):
-        raise ValueError("[secagg] runs through the server; with driver.kind 'cross_silo' the "
-                         "silos sum their updates among themselves: set secagg.enabled = false")
+    secure = bool(config.get("secagg", {}).get("enabled"))
+    if dp_mode == "central" and not secure:
+        raise ValueError("dp.mode 'central' clips individual updates on the server, which "
+                         "never sees them with driver.kind 'cross_silo': set secagg.enabled "
+                         "= true (each silo clips its own update under the masks, the server "
+                         "noises the sum), or use dp.mode = 'local' or 'distributed' (with "
+                         "secagg)")
     if config.get("compression", {}).get("kind", "none") != "none":
         raise ValueError("driver.kind 'cross_silo' sums dense deltas over the ring; upload "
                          "compression does not apply: set compression.kind = 'none'")

@@ -144,23 +144,18 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
     kind = driver.get("kind", "sync")
     if kind == "fedasync":
         raise ValueError(FEDASYNC_SECAGG)
-    if kind not in ("sync", "fedbuff") or driver.get("late_policy", "drop") != "drop":
+    if kind not in ("sync", "fedbuff", "cross_silo") or \
+            driver.get("late_policy", "drop") != "drop":
         raise ValueError(f"secagg runs in synchronous rounds that drop late clients or in "
                          f"FedBuff's buffers; driver.kind = '{kind}' with driver.late_policy "
                          f"= '{driver.get('late_policy')}' is not supported with it")
     if dict(config.get("clients", {})).get("offline_fraction", 0):
         raise ValueError("secagg does not simulate clients going offline through "
                          "clients.offline_fraction; set it to 0 and use secagg.dropout")
-    fed = config["federation"]
-    n = fed["clients"]
-    if fed.get("sampling", "fixed") == "fixed":
-        fraction, least = fed["sample_fraction"], fed["min_clients"]
-        n = min(n, max(least, round(fraction * n)))
-    if kind == "fedbuff":  # one secure sum per buffer of buffer_size updates
-        n = int(driver.get("buffer_size", 10))
-        if n < 2:
-            raise ValueError(f"secure FedBuff sums each buffer under secagg, which needs at "
-                             f"least 2 updates: raise driver.buffer_size (got {n}) to >= 2")
+    n = max_round_size(config)
+    if kind == "fedbuff" and n < 2:  # one secure sum per buffer of buffer_size updates
+        raise ValueError(f"secure FedBuff sums each buffer under secagg, which needs at "
+                         f"least 2 updates: raise driver.buffer_size (got {n}) to >= 2")
     if n < 2:
         raise ValueError(f"secagg needs at least 2 clients per round, the federation samples "
                          f"{n}")

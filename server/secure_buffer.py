@@ -15,6 +15,10 @@ The server knows each ready client's base version, so an update beyond
 is recovered by SecAgg+, or the buffer aborts: the model stays as it is and the run
 goes on. Per update the server knows only its base version, staleness and factor: the
 stored ``weight`` is s(tau); the example count and the norm stay hidden.
+
+With top-k on a shared pattern (``[compression]``) the pattern is the buffer's round's:
+each client picks those coordinates of the delta it holds once SETUP comes, so the
+buffer's clients line up whatever model version each trained from.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from client import secure_client as sc
+from server.compression import RoundPattern
 from server.secure_round import SecureRoundOutcome, SecureRounds, secure_round
 from server.store import Store, UpdateRecord
 
@@ -96,12 +101,15 @@ class SecureBuffer:
                 for node, base in self.ready.items()}
 
     def finish(self, grid: Grid, *, dim: int, session: int, rnd: int, timeout: float,
-               poll: float) -> np.ndarray | None:
-        """Run the buffer's secure stages; FedBuff's aggregate, or None if it aborted."""
+               poll: float, sparse: RoundPattern | None = None) -> np.ndarray | None:
+        """Run the buffer's secure stages; FedBuff's aggregate, or None if it aborted.
+
+        ``sparse``: the buffer's shared top-k pattern (the clients pick its coordinates
+        of the delta they hold when SETUP comes), or None for dense updates."""
         outcome = secure_round(grid, nodes=list(self.ready), arrays=None, config=None,
                                settings=self.secure.settings, weight_by=self.secure.weight_by,
                                dim=dim, session=session, rnd=rnd, timeout=timeout, poll=poll,
-                               held=self.factors())
+                               held=self.factors(), sparse=sparse)
         self.outcome = self.secure.last = outcome
         if outcome.weighted_sum is None or not outcome.total_weight > 0:
             return None

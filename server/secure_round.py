@@ -15,6 +15,12 @@ reveal an input. The sum is decoded into sum(w_i * clip(delta_i)) and sum(w_i), 
 the mean (or the sum, for ``combine = "sum"``) goes through the pipeline's server
 optimizer like any other aggregate. An aborted round leaves the model unchanged.
 
+Top-k on a shared pattern (``server.compression.SharedPattern``): the SETUP record also
+carries the compression request, the clients mask only the round's ``k`` coordinates
+plus the weight (SecAgg+ vectors of ``k + 1`` words), and the unmasked sum is scattered
+back into the model's ``d`` coordinates before the server optimizer. Each round records
+its bytes on the wire (``server.wire_bytes``) in its metrics.
+
 Differential privacy (``server.dp``): with central DP each client clips its delta to the
 clip norm and the pipeline noises the decoded sum; with distributed DP each client sends
 its clipped, rotated, scaled and rounded delta plus its share of integer noise (the
@@ -39,8 +45,10 @@ from flwr.serverapp import Grid
 
 from client import secure_client as sc
 from client import wire
+from client.compression import COMPRESSION_KEY
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize_weighted
+from server.compression import RoundPattern, SharedPattern
 from server.secagg_config import SecAggScenarioConfig
 from server.store import UpdateRecord
 
@@ -141,12 +149,18 @@ def _exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: floa
         time.sleep(poll)
 
 
+#: Runs the masked-input stage instead of the Grid: (session, FORWARDED_SHARES by node).
+MaskedInputStage = Callable[[SecAggServer, dict[int, bytes]], None]
+
+
 def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
                  config: ConfigRecord | None, settings: SecAggScenarioConfig, weight_by: str,
                  dim: int, session: int, rnd: int, timeout: float, poll: float,
                  on_reply: Callable[[int], None] | None = None,
                  held: dict[int, float] | None = None,
-                 dp: DPController | None = None) -> SecureRoundOutcome:
+                 dp: DPController | None = None,
+                 sparse: RoundPattern | None = None,
+                 masked_input: MaskedInputStage | None = None) -> SecureRoundOutcome:
     """Run the SecAgg+ stages with ``nodes``; the decoded weighted sum, or an abort.
 
     With ``held`` (secure FedBuff: node -> staleness factor s(tau)) the nodes already hold
@@ -156,6 +170,13 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     With ``dp`` in central mode the clients clip to ``dp.clip``; in distributed mode
     (``dp.plan`` set) they add integer noise and the outcome's ``weighted_sum`` is the
     noisy sum of the clipped deltas, ``total_weight`` the number of survivors.
+
+    With ``sparse`` (top-k on a shared pattern) the clients mask only the pattern's ``k``
+    coordinates plus the weight; the unmasked sum is scattered back into ``dim``.
+
+    With ``masked_input`` the masked-input stage runs elsewhere: it gets the session and
+    the FORWARDED_SHARES messages and hands the session the sum of the masked vectors
+    (``SecAggServer.receive_sum``; cross-silo rounds sum them over a ring).
     """
     participants = sorted(int(n) for n in nodes)
     outcome = SecureRoundOutcome(status="aborted", participants=participants)
@@ -163,6 +184,8 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     try:
         k, t = settings.graph(len(participants))
         if dp is not None and dp.plan is not None:
+            if sparse is not None:
+                raise ValueError("a shared top-k pattern does not combine with distributed DP")
             plan = dp.plan.for_clients(len(participants))
         scale = 0.0 if plan is not None else settings.scale_for(len(participants), weight_by)
     except ValueError as exc:
@@ -170,7 +193,8 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
         return outcome
     cap = settings.weight_cap(weight_by)
     outcome.k, outcome.t, outcome.scale = k, t, scale
-    words = plan.padded_dim if plan is not None else dim + 1
+    sent = sparse.indices.size if sparse is not None else dim  # coordinates under the masks
+    words = plan.padded_dim if plan is not None else sent + 1
     server = SecAggServer(SecAggConfig.create(participants, words, bits=settings.bits, k=k,
                                               t=t, run_id=session, round_id=rnd))
     setup = ConfigRecord({sc.RUN: session, sc.ROUND: rnd, sc.SCALE: scale,
@@ -183,6 +207,8 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
         setup[sc.DP_PLAN] = json.dumps({**plan.to_dict(), sc.ROTATION_SEED: rotation_seed})
     elif dp is not None and dp.config.mode == "central":
         setup[sc.DP_CLIP] = float(dp.clip)
+    if sparse is not None:
+        setup[COMPRESSION_KEY] = sparse.request
     group = str(rnd)
 
     def first(node: int, payload: bytes) -> Message:
@@ -213,8 +239,11 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     outbox, make = server.start(), first
     while server.status is Status.RUNNING:
         stage, started = server.stage, time.perf_counter()
-        messages = [make(node, payload) for node, payload in outbox.items()]
-        _exchange(grid, messages, timeout=timeout, poll=poll, on_reply=receive)
+        if stage is Stage.MASKED_INPUT and masked_input is not None:
+            masked_input(server, outbox)
+        else:
+            messages = [make(node, payload) for node, payload in outbox.items()]
+            _exchange(grid, messages, timeout=timeout, poll=poll, on_reply=receive)
         outbox, make = server.advance(), later
         outcome.stage_seconds[stage_name(stage)] = time.perf_counter() - started
         if plan is not None and server.stage is Stage.UNMASKING and \
@@ -240,6 +269,8 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
         total, weight = dequantize_weighted(server.result(), len(outcome.survivors),
                                             clip_range=settings.clip_range, scale=scale,
                                             max_weight=cap)
+        if sparse is not None:
+            total = sparse.scatter(total, dim)
     outcome.status = "completed"
     alive = set(outcome.survivors)
     outcome.masks_removed = len(alive) + sum(
@@ -264,8 +295,9 @@ class SecureRounds:
     """Runs a SyncDriver's rounds with secure aggregation (``[secagg] enabled``)."""
 
     def __init__(self, settings: SecAggScenarioConfig, *, combine: str, weight_by: str,
-                 max_clients: int = 0) -> None:
+                 max_clients: int = 0, sparse: SharedPattern | None = None) -> None:
         self.settings = settings
+        self.sparse = sparse  # top-k on a shared pattern, or None (dense)
         self.combine = combine
         self.weight_by = weight_by
         self.max_clients = max_clients  # the most participants a round can have
@@ -278,6 +310,10 @@ class SecureRounds:
         if dp is not None and dp.config.mode == "distributed" and dp.plan is None:
             dp.plan_distributed(dim=driver.layout.dim, bits=self.settings.bits,
                                 max_clients=self.max_clients)
+
+    def pattern(self, run_id: str, rnd: int, dim: int) -> RoundPattern | None:
+        """Round ``rnd``'s shared top-k pattern, or None when the rounds are dense."""
+        return self.sparse.for_round(run_id, rnd, dim) if self.sparse is not None else None
 
     def run_round(self, driver: SyncDriver, run_id: str, rnd: int, sampled: list[int],
                   t0: float) -> dict[str, float]:
@@ -292,7 +328,7 @@ class SecureRounds:
             dim=driver.layout.dim, session=session_id(run_id), rnd=rnd,
             timeout=driver.fed.round_timeout_s, poll=driver.fed.poll_s,
             on_reply=lambda i: driver.reporter.client_done(rnd, i, len(sampled)),
-            dp=driver.dp)
+            dp=driver.dp, sparse=self.pattern(run_id, rnd, driver.layout.dim))
         self.last = outcome
         applied = outcome.weighted_sum is not None and outcome.total_weight > 0
         if applied:
@@ -312,6 +348,7 @@ class SecureRounds:
         metrics = {k: float(v) for k, v in driver.task.evaluate(state.params).items()}
         if clock is not None and clock.simulated:
             metrics["sim_time_s"] = clock.now()
+        metrics.update(driver.grid.since_last())  # bytes_up (masked vectors), bytes_down
         driver.account_privacy(run_id, rnd, released=applied, metrics=metrics,
                                noise_multiplier=outcome.noise_multiplier)
         records = outcome.update_records()
@@ -360,4 +397,5 @@ def make_secure_rounds(config: dict[str, Any]) -> SecureRounds | None:
         return None
     agg = config["aggregation"]
     return SecureRounds(settings, combine=agg["combine"], weight_by=agg["weight_by"],
-                        max_clients=max_round_size(config))
+                        max_clients=max_round_size(config),
+                        sparse=SharedPattern.from_config(config))

@@ -1,26 +1,35 @@
-"""Bytes on the wire: a Grid that counts the array payload of what goes down and comes up.
+"""Bytes on the wire: a Grid that counts the payload of what goes down and comes up.
 
-"Down" is the arrays of every message pushed (the model, once per client), "up" the
-arrays of every reply pulled (a dense or compressed delta, full weights, a masked
-vector). Array payloads are what grows with the model; the small config and metric
-records are not counted.
+"Down" is the payload of every message pushed (the model, once per client; the secure
+rounds' protocol messages), "up" that of every reply pulled (a dense or compressed delta,
+full weights, a masked vector, key and share messages). The payload is the data of every
+array plus every ``bytes`` value of a config record (where the secure-aggregation
+protocol messages travel); the small settings, strings and metrics are not counted.
+Sync rounds, secure rounds and the async drivers record each round's (each applied
+aggregate's) traffic with :meth:`ByteCountingGrid.since_last`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 
 def payload_bytes(message: Message) -> int:
-    """Bytes of the arrays a message carries (0 for an error reply)."""
+    """Bytes of the arrays and ``bytes`` config values a message carries (0 for an error
+    reply)."""
     if not message.has_content():
         return 0
-    return sum(len(array.data) for record in message.content.values()
-               if isinstance(record, ArrayRecord) for array in record.values())
+    total = 0
+    for record in message.content.values():
+        if isinstance(record, ArrayRecord):
+            total += sum(len(array.data) for array in record.values())
+        elif isinstance(record, ConfigRecord):
+            total += sum(len(v) for v in record.values() if isinstance(v, bytes))
+    return total
 
 
 class ByteCountingGrid(Grid):

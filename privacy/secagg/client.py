@@ -28,6 +28,7 @@ import numpy as np
 
 from privacy.secagg import keys as kx
 from privacy.secagg import messages as msg
+from privacy.secagg.buffers import POOL
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.graph import regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
@@ -81,8 +82,12 @@ class SecAggClient:
         """
         self._input = np.asarray(vector)
 
-    def handle(self, payload: bytes) -> bytes:
-        """Process one server message and return the reply; ProtocolError if refused."""
+    def handle(self, payload: bytes) -> bytes | memoryview:
+        """Process one server message and return the reply; ProtocolError if refused.
+
+        The MASKED_INPUT reply is a memoryview of a buffer from :data:`buffers.POOL`,
+        reused only once nothing refers to it any more.
+        """
         kind = msg.read_header(payload).kind
         handlers = {
             MsgType.SETUP: self._on_setup,
@@ -103,7 +108,7 @@ class SecAggClient:
 
     def _on_setup(self, payload: bytes) -> bytes:
         self._require_stage(Stage.SETUP, "SETUP")
-        h, config = msg.decode_setup(payload)
+        h, config = _decode_setup(payload)
         self._load_setup(h, config)
         self._c_sk, self._s_sk = kx.new_private_key(), kx.new_private_key()
         self._b_seed = os.urandom(32)
@@ -138,7 +143,7 @@ class SecAggClient:
         self.stage = Stage.SHARE_KEYS
         return msg.encode_share_keys(self._header(MsgType.SHARE_KEYS), msg.ShareKeys(tuple(out)))
 
-    def _on_forwarded_shares(self, payload: bytes) -> bytes:
+    def _on_forwarded_shares(self, payload: bytes) -> memoryview:
         self._require_stage(Stage.SHARE_KEYS, "FORWARDED_SHARES")
         x = self._checked_input()
         h, m = msg.decode_forwarded_shares(payload)
@@ -147,12 +152,12 @@ class SecAggClient:
         masks = [(self._b_seed, 1)]
         for v in sorted(held):
             masks.append((self._peers[v][1], 1 if self.client_id < v else -1))
-        head = msg.masked_input_head(self._header(MsgType.MASKED_INPUT), failed, cfg.dim,
-                                     cfg.word_dtype)
-        buf = np.empty(len(head) + cfg.dim * cfg.word_dtype.itemsize, np.uint8)  # no zeroing
-        buf[: len(head)] = np.frombuffer(head, np.uint8)
-        combine([x], masks, cfg.dim, cfg.bits, out=buf[len(head) :].view(cfg.word_dtype))
-        reply = buf.tobytes()  # the bytes a transport needs: one copy
+        word = msg.wire_dtype(cfg.bits)  # the narrowest word for 2^bits: what goes on the wire
+        head = msg.masked_input_head(self._header(MsgType.MASKED_INPUT), failed, cfg.dim, word)
+        reply = POOL.take(len(head) + cfg.dim * word.itemsize)  # reused, not zeroed
+        reply[: len(head)] = head
+        body = np.frombuffer(reply, word, count=cfg.dim, offset=len(head))
+        combine([x], masks, cfg.dim, cfg.bits, out=body)  # narrows to the wire word if need be
         self._held = held
         self._peers, self._b_seed = {}, b""
         self._input = None
@@ -357,7 +362,7 @@ class SecAggClient:
         ):
             raise ProtocolError(f"client state does not match stage {client.stage.name}")
         if setup:
-            client._load_setup(*msg.decode_setup(setup))
+            client._load_setup(*_decode_setup(setup))
             client._setup_raw = setup
         if len(secrets) == 96:
             client._c_sk = kx.private_key_from_bytes(secrets[:32])
@@ -377,6 +382,25 @@ class SecAggClient:
                 raise ProtocolError(f"client state reveals a share of client {v}, not held")
             client._revealed[v] = ShareKind(kind)
         return client
+
+
+_SETUPS: dict[bytes, SecAggConfig] = {}  # recently decoded SETUP bodies
+_MAX_SETUPS = 16
+
+
+def _decode_setup(payload: bytes) -> tuple[Header, SecAggConfig]:
+    """:func:`messages.decode_setup`, remembering the configuration of the last few SETUP
+    bodies: every client of a round gets the same one, and a session restored on each
+    message decodes it again (n ids checked, a position table built)."""
+    h = msg.read_header(payload)
+    key = struct.pack("<QI", h.run_id, h.round_id) + bytes(payload[msg.HEADER.size :])
+    config = _SETUPS.get(key) if h.kind is MsgType.SETUP else None
+    if config is None:
+        h, config = msg.decode_setup(payload)
+        if len(_SETUPS) >= _MAX_SETUPS:
+            _SETUPS.pop(next(iter(_SETUPS)), None)
+        _SETUPS[key] = config
+    return h, config
 
 
 def _entries(st: struct.Struct, blob: bytes) -> list[tuple]:

@@ -12,8 +12,12 @@ message. Bodies (all integers little-endian, ids u64, counts u32)::
     PUBLIC_KEYS       m u32, m x (id, c_pk 32B, s_pk 32B)
     SHARE_KEYS        m u32, m x (receiver id, ciphertext 94B)
     FORWARDED_SHARES  m u32, m x (sender id, ciphertext 94B)
-    MASKED_INPUT      word u8 (4|8), 3 zero bytes, f u32, dim u64, f failed-peer ids,
+    MASKED_INPUT      word u8 (1|2|4|8), 3 zero bytes, f u32, dim u64, f failed-peer ids,
                       dim words (at an offset that is a multiple of 8: aligned)
+
+A masked vector's words are the narrowest that hold values mod 2^bits
+(:func:`wire_dtype`: one byte up to 8 bits, two up to 16, four up to 32, else eight),
+so a smaller modulus makes a smaller upload.
     UNMASK_REQUEST    s u32, d u32, s survivor ids, d dropped ids
     UNMASK_RESPONSE   m u32, m x (peer id, kind u8 (0 self-mask, 1 mask key), share 33B)
 
@@ -299,11 +303,22 @@ def decode_forwarded_shares(data: bytes) -> tuple[Header, ForwardedShares]:
 # --- MASKED_INPUT ----------------------------------------------------------
 
 
+WORD_SIZES = (1, 2, 4, 8)  # bytes per masked word on the wire
+
+
+def wire_dtype(bits: int) -> np.dtype:
+    """The narrowest little-endian unsigned word holding values mod 2^bits (1 <= bits <= 64):
+    uint8, uint16, uint32 or uint64, the words of a MASKED_INPUT vector."""
+    if not 1 <= bits <= 64:
+        raise ValueError(f"bits must be in [1, 64], got {bits}")
+    return np.dtype(f"<u{next(w for w in WORD_SIZES if bits <= 8 * w)}")
+
+
 def masked_input_head(h: Header, failed: tuple[int, ...], dim: int, dtype: np.dtype) -> bytes:
     """Everything of a MASKED_INPUT message before its ``dim`` words."""
     word = np.dtype(dtype).itemsize
-    if word not in (4, 8):
-        raise ValueError("masked vector words must be 4 or 8 bytes")
+    if word not in WORD_SIZES:
+        raise ValueError(f"masked vector words must be {WORD_SIZES} bytes, got {word}")
     return b"".join(
         [
             _header_bytes(h),
@@ -327,7 +342,7 @@ def new_masked_input(
 def encode_masked_input(h: Header, m: MaskedInput) -> bytearray:
     vec = m.vector
     if vec.ndim != 1 or vec.dtype.kind != "u":
-        raise ValueError("masked vector must be 1-D uint32 or uint64")
+        raise ValueError("masked vector must be a 1-D unsigned integer array")
     buf, view = new_masked_input(h, m.failed, vec.size, vec.dtype)
     view[:] = vec
     return buf
@@ -339,8 +354,8 @@ def decode_masked_input(data: bytes) -> tuple[Header, MaskedInput]:
     if r.pos + _VECTOR_HEAD.size <= len(r.data) and any(r.data[r.pos + 1 : r.pos + 4]):
         raise ProtocolError("nonzero padding bytes")
     word, nfailed, dim = r.unpack(_VECTOR_HEAD)
-    if word not in (4, 8):
-        raise ProtocolError(f"word size must be 4 or 8 bytes, got {word}")
+    if word not in WORD_SIZES:
+        raise ProtocolError(f"word size must be 1, 2, 4 or 8 bytes, got {word}")
     if nfailed > MAX_CLIENTS or 8 * nfailed + dim * word != len(r.data) - r.pos:
         raise ProtocolError(f"{nfailed} ids and {dim} words do not fit the message length")
     failed = r.ids(nfailed)

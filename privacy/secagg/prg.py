@@ -14,6 +14,7 @@ costs one AES pass and one in-cache add, with no full-size temporaries.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -47,7 +48,10 @@ class _Masker:
     """Adds sum(vectors) + sum(sign * PRG(seed)) to chunks of words, one chunk at a time.
 
     Every mask is one AES-CTR stream read in order, so chunks must come in order;
-    each chunk costs one in-cache keystream pass and one add per mask.
+    each chunk costs one in-cache keystream pass and one add per mask (the first
+    vector is added together with the first mask). An ``out`` of narrower words
+    than the masks' (e.g. uint16 for bits <= 16) is computed in a word-sized chunk
+    and narrowed: the values are below 2^bits, so nothing is lost.
     """
 
     def __init__(
@@ -58,8 +62,10 @@ class _Masker:
         self.vectors = vectors
         self.streams = [(_stream(seed), sign >= 0) for seed, sign in masks]
         self.low = None if bits == 8 * self.dtype.itemsize else self.dtype.type((1 << bits) - 1)
-        self._scratch = bytearray(CHUNK_BYTES + _AES_BLOCK - 1)  # update_into needs block-1
-        self._words = np.frombuffer(self._scratch, dtype=self.dtype, count=self.step)
+        scratch = _scratch()
+        self._keystream = scratch[0]
+        self._mask = np.frombuffer(scratch[0], dtype=self.dtype, count=self.step)
+        self._work = np.frombuffer(scratch[1], dtype=self.dtype, count=self.step)
 
     def spans(self, dim: int) -> Iterator[tuple[int, int]]:
         for start in range(0, dim, self.step):
@@ -67,27 +73,55 @@ class _Masker:
 
     def apply(self, chunk: np.ndarray, start: int, *, accumulate: bool) -> None:
         """chunk = (chunk if accumulate else 0) + vectors + masks over [start, start+len)."""
-        stop = start + chunk.size
-        vectors = self.vectors
-        if not accumulate:
-            if vectors:
-                np.copyto(chunk, vectors[0][start:stop], casting="unsafe")
-                vectors = vectors[1:]
-            else:
-                chunk.fill(0)
+        n = chunk.size
+        stop = start + n
+        work = chunk if chunk.dtype == self.dtype else self._work[:n]
+        vectors, streams = list(self.vectors), list(self.streams)
+        if accumulate:
+            if work is not chunk:
+                np.copyto(work, chunk)
+        elif vectors and streams and _fits(vectors[0], self.dtype):
+            enc, positive = streams.pop(0)  # first vector and first mask in one pass
+            mask = self._next(enc, n)
+            x = vectors.pop(0)[start:stop]
+            (np.add if positive else np.subtract)(x, mask, out=work, casting="unsafe")
+        elif vectors:
+            np.copyto(work, vectors.pop(0)[start:stop], casting="unsafe")
+        else:
+            work.fill(0)
         for v in vectors:
             # same-dtype add: uint64 + int64 would promote to float64 and lose bits
-            np.add(chunk, v[start:stop].astype(self.dtype, copy=False), out=chunk)
-        mask = self._words[: chunk.size]
-        zeros = _ZEROS[: chunk.size * self.dtype.itemsize]
-        for enc, positive in self.streams:
-            enc.update_into(zeros, self._scratch)
-            if positive:
-                np.add(chunk, mask, out=chunk)
-            else:
-                np.subtract(chunk, mask, out=chunk)
+            np.add(work, v[start:stop].astype(self.dtype, copy=False), out=work)
+        for enc, positive in streams:
+            mask = self._next(enc, n)
+            (np.add if positive else np.subtract)(work, mask, out=work)
         if self.low is not None:
-            np.bitwise_and(chunk, self.low, out=chunk)
+            np.bitwise_and(work, self.low, out=work)
+        if work is not chunk:
+            np.copyto(chunk, work, casting="unsafe")
+
+    def _next(self, enc: CipherContext, n: int) -> np.ndarray:
+        """The stream's next n words (in the scratch buffer, valid until the next call)."""
+        enc.update_into(_ZEROS[: n * self.dtype.itemsize], self._keystream)
+        return self._mask[:n]
+
+
+def _fits(x: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether x's words widen into ``dtype`` words without changing value."""
+    return x.dtype.kind == "u" and x.dtype.itemsize <= dtype.itemsize
+
+
+_LOCAL = threading.local()
+
+
+def _scratch() -> tuple[bytearray, bytearray]:
+    """This thread's two chunk-sized buffers (keystream, narrowing), reused across calls:
+    fresh ones would pay their page faults on every call."""
+    scratch = getattr(_LOCAL, "scratch", None)
+    if scratch is None:
+        # update_into needs block-1 bytes of slack
+        scratch = _LOCAL.scratch = (bytearray(CHUNK_BYTES + _AES_BLOCK - 1), bytearray(CHUNK_BYTES))
+    return scratch
 
 
 def combine(
@@ -104,8 +138,9 @@ def combine(
     Vectors may have any integer dtype (values are taken mod 2^bits; each chunk
     is cast to the word dtype, wrapping, before it is added). The result
     is a little-endian uint32 (bits <= 32) or uint64 array: ``out`` if given (e.g.
-    a view into a message buffer), else a new one. With ``accumulate`` the sum is
-    added to what ``out`` holds (taken mod 2^bits), in place.
+    a view into a message buffer; it may also have narrower unsigned words that hold
+    2^bits, such as uint16 for bits <= 16), else a new one. With ``accumulate`` the sum
+    is added to what ``out`` holds (taken mod 2^bits), in place.
     """
     masker = _Masker(vectors, masks, bits)
     dtype = masker.dtype
@@ -113,7 +148,12 @@ def combine(
         if accumulate:
             raise ValueError("accumulate needs out")
         out = np.empty(dim, dtype=dtype)
-    elif out.shape != (dim,) or out.dtype != dtype or not out.flags.c_contiguous:
+    elif (
+        out.shape != (dim,)
+        or not out.flags.c_contiguous
+        or not (out.dtype == dtype or (out.dtype.kind == "u" and bits <= 8 * out.dtype.itemsize
+                                       and out.dtype.itemsize < dtype.itemsize))
+    ):
         raise ValueError(f"out must be a contiguous array of {dim} {dtype} words")
     for start, stop in masker.spans(dim):
         masker.apply(out[start:stop], start, accumulate=accumulate)

@@ -22,9 +22,11 @@ with w = W = 1 and no extra coordinate.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Literal
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 
 from privacy.secagg.params import MAX_BITS, word_dtype
 
@@ -127,6 +129,131 @@ def quantize_weighted(
     return _round(v, level, bits, rounding, rng)
 
 
+CHUNK = 1 << 15  # coordinates per step of quantize_weighted_into: its scratch stays in cache
+_MAGIC = 1.5 * 2.0**52  # y + _MAGIC rounds y in [-2^51, 2^51] to an integer in the low bits
+
+
+def quantize_weighted_into(
+    update: np.ndarray,
+    weight: float,
+    *,
+    clip_range: float,
+    scale: float,
+    max_weight: float = 1.0,
+    rounding: Rounding = "stochastic",
+    rng: np.random.Generator | None = None,
+    factor: float = 1.0,
+    out: np.ndarray,
+) -> np.ndarray:
+    """:func:`quantize_weighted`'s encoding of ``update``, written into ``out`` (d+1 words).
+
+    ``out`` may have any unsigned word that holds :func:`max_level`. ``factor`` in (0, 1]
+    scales the clipped coordinates only (the sum then decodes to
+    sum(weight * factor * clip(x)) and sum(weight)). Rounding to nearest breaks ties
+    to even, as :func:`quantize_weighted` does; stochastic rounding is floor(v + U) with
+    U uniform on [0, 1) in steps of 2^-32, drawn from an AES-128-CTR keystream keyed by
+    16 bytes of ``rng`` (about five times cheaper than numpy's generator).
+
+    Fast path: per cache-sized chunk, v = a * clip(x) + b is computed in float64 (as
+    in the reference), then adding 1.5 * 2^52 leaves round(v) in the low bits of the
+    float64 word (exact for 0 <= v < 2^51), which are narrowed into ``out`` without a
+    float-to-integer conversion. Levels of 2^51 or more take numpy's conversion.
+    """
+    x = np.asarray(update).reshape(-1)
+    d = x.size
+    if out.shape != (d + 1,) or out.dtype.kind != "u" or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous unsigned array of {d + 1} words, "
+                         f"has {out.dtype} {out.shape}")
+    if not 0.0 <= weight <= max_weight:
+        raise ValueError(f"weight must be in [0, {max_weight}], got {weight}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if not 0 < factor <= 1:
+        raise ValueError(f"factor must be in (0, 1], got {factor}")
+    level = max_level(clip_range, scale, max_weight)
+    if level >> (8 * out.dtype.itemsize):
+        raise ValueError(f"{out.dtype} words cannot hold level {level}")
+    rng = rng if rng is not None else np.random.default_rng()
+    stochastic = rounding == "stochastic"
+    a, b = weight * factor * scale, max_weight * clip_range * scale
+    if d:
+        high, low = x.max(), x.min()
+        if not (np.isfinite(high) and np.isfinite(low)):  # NaN propagates
+            raise ValueError("update has non-finite values")
+        clip = not (-clip_range <= low and high <= clip_range)
+        _Encoder(a, b, clip_range if clip else None, level, stochastic, rng).run(x, out[:d])
+    w = weight * scale + (rng.random() if stochastic else 0.5)
+    out[d] = min(level, int(w))
+    return out
+
+
+class _Encoder:
+    """Chunk by chunk: out = R(a * clip(x) + b), all values in [0, level]."""
+
+    def __init__(self, a: float, b: float, clip: float | None, level: int, stochastic: bool,
+                 rng: np.random.Generator) -> None:
+        self.a, self.clip = np.float64(a), clip
+        self.magic = level < 1 << 51
+        self.offset = b - 0.5 if stochastic else b  # floor(v + U) = round(v + U - 1/2)
+        # y + _MAGIC rounds y exactly; for a non-integral offset, add it first
+        self.fold = float(self.offset).is_integer() and abs(self.offset) < 2**51
+        self.noise = _stream_from(rng) if stochastic else None
+        self.v, self.u, self.r = _scratch()
+
+    def run(self, x: np.ndarray, out: np.ndarray) -> None:
+        for start in range(0, x.size, CHUNK):
+            stop = min(x.size, start + CHUNK)
+            self._chunk(x[start:stop], out[start:stop])
+
+    def _chunk(self, x: np.ndarray, out: np.ndarray) -> None:
+        n = x.size
+        v = self.v[:n]
+        if self.clip is None:
+            np.copyto(v, x)  # widening, then multiplying in place: faster than one mixed pass
+        else:
+            np.clip(x, -self.clip, self.clip, out=v)
+        v *= self.a
+        if self.noise is not None:  # U = 32 random bits / 2^32
+            self.noise.update_into(_ZERO_BYTES[: 4 * n], self.r)
+            u = self.u[:n]
+            np.multiply(np.frombuffer(self.r, np.uint32, count=n), 2.0**-32, out=u,
+                        dtype=np.float64)
+            v += u
+        if not self.magic:  # v + 1/2 >= 0: truncation rounds
+            v += self.offset + 0.5
+            np.copyto(out, v, casting="unsafe")
+            return
+        if self.fold:
+            v += self.offset + _MAGIC
+        else:
+            v += self.offset
+            v += _MAGIC
+        low = v.view(np.uint64)  # 2^51 + round(v) in the low 52 bits
+        if out.dtype.itemsize < 8:
+            np.copyto(out, low, casting="unsafe")  # keeps the low bits: round(v)
+        else:
+            np.bitwise_and(low, np.uint64((1 << 51) - 1), out=out)
+
+
+_ZERO_BYTES = memoryview(bytes(4 * CHUNK))
+_LOCAL = threading.local()
+
+
+def _scratch() -> tuple[np.ndarray, np.ndarray, bytearray]:
+    """This thread's chunk buffers (values, noise, keystream), reused across calls: fresh
+    ones would pay their page faults on every call."""
+    scratch = getattr(_LOCAL, "scratch", None)
+    if scratch is None:
+        # update_into needs block-1 bytes of slack
+        scratch = _LOCAL.scratch = (np.empty(CHUNK), np.empty(CHUNK), bytearray(4 * CHUNK + 15))
+    return scratch
+
+
+def _stream_from(rng: np.random.Generator) -> CipherContext:
+    """An AES-128-CTR keystream keyed by 16 bytes of ``rng`` (rounding noise, not a secret)."""
+    return Cipher(algorithms.AES(rng.bytes(16)), modes.CTR(bytes(16))).encryptor()
+
+
 def dequantize_weighted(
     total: np.ndarray,
     n: int,
@@ -137,7 +264,11 @@ def dequantize_weighted(
 ) -> tuple[np.ndarray, float]:
     """(sum of w_i * clip(x_i), sum of w_i) from the sum of n quantized inputs."""
     s = np.asarray(total).astype(np.float64)
-    return s[:-1] / scale - n * max_weight * clip_range, float(s[-1] / scale)
+    weight = float(s[-1] / scale)
+    out = s[:-1]  # in place: no more d-sized temporaries
+    out /= scale
+    out -= n * max_weight * clip_range
+    return out, weight
 
 
 def quantize(

@@ -91,6 +91,7 @@ class SecAggServer:
         self._requested: dict[int, frozenset[tuple[int, ShareKind]]] = {}
         self._dropped_needed: frozenset[int] = frozenset()
         self._result: np.ndarray | None = None
+        self._probe = kx.new_private_key()  # agrees with each advertised key, to check it
 
     # --- public API --------------------------------------------------------
 
@@ -133,6 +134,44 @@ class SecAggServer:
             self._clock(self.stage, started)
         self.awaiting.discard(sender)
         return True
+
+    def receive_sum(self, senders: list[int], total: np.ndarray,
+                    failed: dict[int, tuple[int, ...]] | None = None) -> bool:
+        """Stage 3 summed outside the session (e.g. over a ring of silos): ``total`` is the
+        sum mod 2^bits of the masked vectors of ``senders``, in place of one MASKED_INPUT
+        each, so the session never holds a single vector; ``failed`` gives each sender's
+        peers whose shares did not authenticate. A sum cannot be taken apart, so it must
+        hold exactly the clients awaited in this stage, none of them reporting a failed
+        share; otherwise the session aborts (no share was requested yet) and this returns
+        False."""
+        if self.status is not Status.RUNNING or self.stage is not Stage.MASKED_INPUT:
+            raise RuntimeError(f"a masked sum belongs to stage MASKED_INPUT, not "
+                               f"{self.stage.name} ({self.status.value})")
+        started = time.perf_counter(), time.thread_time()
+        cfg, who = self.config, set(senders)
+        bad = {u: tuple(v) for u, v in (failed or {}).items() if v}
+        try:
+            if who != self.awaiting or self._received:
+                reason = (f"the sum holds clients {sorted(who)}, the stage awaits exactly "
+                          f"{sorted(self.awaiting | set(self._received))}")
+            elif bad:
+                u = min(bad)
+                reason = (f"client {u} could not authenticate the shares of {list(bad[u])}; "
+                          "their vectors cannot be taken out of a sum")
+            elif total.shape != (cfg.dim,) or total.dtype.kind != "u":
+                reason = f"the sum is {total.dtype} {total.shape}, expected {cfg.dim} words"
+            elif cfg.bits < 8 * total.dtype.itemsize and int(total.max(initial=0)) >> cfg.bits:
+                reason = f"the sum has values >= 2^{cfg.bits}"
+            else:
+                self._sum = np.array(total, dtype=cfg.word_dtype)
+                none = np.empty(0, cfg.word_dtype)
+                self._received = {u: msg.MaskedInput((), none) for u in sorted(who)}
+                self.awaiting = set()
+                return True
+            self._abort(f"masked sum refused: {reason}")
+            return False
+        finally:
+            self._clock(Stage.MASKED_INPUT, started)
 
     def advance(self) -> dict[int, bytes]:
         """Close the open stage (missing replies count as dropouts); next messages."""
@@ -192,9 +231,8 @@ class SecAggServer:
         _, m = msg.decode_advertise_keys(payload)
         if m.c_pk == m.s_pk:
             raise ProtocolError("the two advertised public keys are identical")
-        probe = kx.new_private_key()
-        kx.agree(probe, m.c_pk)  # ProtocolError for low-order or malformed points
-        kx.agree(probe, m.s_pk)
+        kx.agree(self._probe, m.c_pk)  # ProtocolError for low-order or malformed points
+        kx.agree(self._probe, m.s_pk)
         return PeerKeys(sender, m.c_pk, m.s_pk), m.b_commitment
 
     def _accept_shares(self, sender: int, payload: bytes) -> dict[int, bytes]:
@@ -214,7 +252,7 @@ class SecAggServer:
     def _accept_masked_input(self, sender: int, payload: bytes) -> msg.MaskedInput:
         _, m = msg.decode_masked_input(payload)
         cfg = self.config
-        dtype = cfg.word_dtype
+        dtype = msg.wire_dtype(cfg.bits)  # narrowest word; summed in cfg.word_dtype
         if m.vector.size != cfg.dim or m.vector.dtype.itemsize != dtype.itemsize:
             raise ProtocolError(
                 f"masked vector has {m.vector.size} words of {m.vector.dtype.itemsize} bytes, "

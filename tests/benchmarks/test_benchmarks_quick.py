@@ -113,7 +113,11 @@ def test_aggregation_throughput_quick() -> None:
     assert result["results"]
     for row in result["results"]:
         assert positive(row["pipeline_gbps"]) and positive(row["copy_gbps"])
-        assert row["ratio"] == pytest.approx(row["pipeline_gbps"] / row["copy_gbps"], rel=0.01)
+        assert row["ratio_of_medians"] == pytest.approx(row["pipeline_gbps"] / row["copy_gbps"],
+                                                        rel=0.01)
+        low, high = row["ratio_range"]
+        assert 0 < low <= row["ratio"] <= high
+        assert row["meets_target"] == (row["ratio"] >= result["target_ratio"])
         assert set(row["kernel_ratios"]) == {"two_pass", "fused_unchecked", "fused_undo",
                                              "fused_pingpong"}
         assert all(positive(v) for v in row["kernel_ratios"].values())
@@ -179,10 +183,29 @@ def test_compression_quick() -> None:
     result = run_quick("compression.py")
     assert result["benchmark"] == "compression" and result["quick"] is True
     rows = {row["variant"]: row for row in result["results"]}
-    assert list(rows) == ["none", "qsgd-4", "topk-10%"]
+    assert list(rows) == ["none", "qsgd-4", "topk-10%", "secagg", "secagg+qsgd-8",
+                          "secagg+randk-10%"]
     for row in rows.values():
         assert row["rounds"] == 1 and 0 <= row["final_accuracy"] <= 1
         assert row["bytes_up_per_round_stored"] == [row["bytes_up_total"]]
-        assert row["bytes_down_total"] == rows["none"]["bytes_down_total"]
-    assert rows["none"]["upload_ratio"] == 1.0
+        dense = rows["secagg" if row["secure"] else "none"]
+        assert row["bytes_down_total"] == dense["bytes_down_total"]
+    assert rows["none"]["upload_ratio"] == rows["secagg"]["upload_ratio"] == 1.0
     assert rows["qsgd-4"]["upload_ratio"] > 5.5 and rows["topk-10%"]["upload_ratio"] > 4.5
+    # secure: 16-bit masked words for QSGD's modulus; rand-k masks 10% of the words
+    assert rows["secagg+qsgd-8"]["upload_ratio"] > 1.7
+    assert rows["secagg+randk-10%"]["upload_ratio"] > 5
+
+
+@pytest.mark.slow
+def test_cross_silo_secure_quick() -> None:
+    result = run_quick("cross_silo_secure.py")
+    assert result["benchmark"] == "cross_silo_secure" and result["quick"] is True
+    assert len(result["loadavg_before"]) == 3 and "cpus" in result["machine"]
+    [row] = result["results"]
+    assert row["model"] == "mlp_4.8k" and row["params"] == 4810 and row["silos"] == 3
+    assert row["rounds_timed"] == 2
+    for key in ("plain_round_s", "secure_round_s", "secure_over_plain"):
+        assert positive(row[key]), (key, row[key])
+    assert set(row["secure_stage_s"]) == {"advertise_keys", "share_keys", "masked_input",
+                                          "unmasking"}

@@ -83,8 +83,13 @@ BAD_SCENARIOS = [
     ({"silo.ring_order": "sorted"}, "unknown key(s) silo.ring_order"),
     ({**CROSS_SILO, "aggregation.combine": "median"}, "aggregation.combine 'median'"),
     ({**CROSS_SILO, "dp.mode": "central", "aggregation.weight_by": "uniform",
-      "dp.noise_multiplier": 1.0}, "use dp.mode = 'local'"),
-    ({**CROSS_SILO, "secagg.enabled": True}, "set secagg.enabled = false"),
+      "dp.noise_multiplier": 1.0}, "dp.mode 'central' clips individual updates on the server"),
+    ({**CROSS_SILO, "secagg.enabled": True, "dp.mode": "local", "dp.noise_multiplier": 1.0},
+     "dp.mode = 'local' together with secagg is not supported"),
+    ({**CROSS_SILO, "secagg.enabled": True, "aggregation.combine": "sum",
+      "aggregation.max_norm": 5.0}, "set aggregation.max_norm = 0"),
+    ({**CROSS_SILO, "secagg.enabled": True, "compression.kind": "qsgd"},
+     "compression does not apply"),
     ({**CROSS_SILO, "federation.round_timeout_s": 100.0}, "silo.join_timeout_s + "
                                                           "silo.ring_timeout_s = 150 s"),
 ]
@@ -103,6 +108,15 @@ def test_a_good_cross_silo_scenario_resolves_with_its_silo_section() -> None:
                                               "silo.algorithm": "tree"})
     assert config["driver"]["kind"] == "cross_silo"
     assert config["silo"]["ring_timeout_s"] == 5.0 and config["silo"]["algorithm"] == "tree"
+
+
+@pytest.mark.parametrize("dp", [{}, {"dp.mode": "distributed"}, {"dp.mode": "central"}])
+def test_secure_cross_silo_scenarios_resolve(dp: dict) -> None:
+    values = {**CROSS_SILO, "secagg.enabled": True, **dp}
+    if dp:
+        values.update({"aggregation.weight_by": "uniform", "dp.noise_multiplier": 1.0})
+    config = load_scenario("default", values=values)
+    assert config["secagg"]["enabled"] and config["driver"]["kind"] == "cross_silo"
 
 
 def test_simulate_refuses_cross_silo_on_an_engine_that_cannot_run_rings(

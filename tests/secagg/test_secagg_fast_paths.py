@@ -1,0 +1,183 @@
+"""The fast paths agree with their references: chunked quantization (round by the 1.5 * 2^52
+trick, stochastic noise from AES-CTR), masking into narrow words with the first vector and
+mask added in one pass, and reused buffers that are never handed out while referenced."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from privacy.secagg import Stage, quantize_weighted, run_secagg_round
+from privacy.secagg.buffers import BufferPool
+from privacy.secagg.messages import MsgType, decode_masked_input, read_header
+from privacy.secagg.prg import CHUNK_BYTES, combine, expand
+from privacy.secagg.quantize import CHUNK, max_level, quantize_weighted_into
+
+D = 3 * CHUNK + 17  # chunks, the last one partial
+
+
+def _update(seed: int, spread: float) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(D) * spread).astype(np.float32)
+
+
+# --- quantization ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("clip", "scale", "max_weight", "weight", "dtype", "spread"), [
+    (1.0, 2.0**16, 50.0, 37.0, np.uint32, 0.3),  # integral offset: one add, nothing clipped
+    (1.0, 2.0**16, 50.0, 37.0, np.uint32, 3.0),  # many coordinates clipped
+    (0.3, 1000.3, 3.0, 1.7, np.uint32, 0.2),  # offset W*c*scale not an integer
+    (0.5, 2.0**6, 2.0, 0.0, np.uint16, 1.0),  # weight 0; 16-bit words
+    (2.0, 2.0**30, 100.0, 99.0, np.uint64, 1.0),  # 64-bit words, level < 2^51
+])
+def test_nearest_rounding_equals_the_reference(clip, scale, max_weight, weight, dtype, spread):
+    x = _update(1, spread)
+    out = np.empty(D + 1, dtype)
+    kw = {"clip_range": clip, "scale": scale, "max_weight": max_weight}
+    quantize_weighted_into(x, weight, rounding="nearest", out=out, **kw)
+    bits = 32 if dtype != np.uint64 else 64
+    ref = quantize_weighted(x, weight, bits=bits, rounding="nearest", **kw)
+    np.testing.assert_array_equal(out.astype(np.uint64), ref.astype(np.uint64))
+    assert int(out.max()) <= max_level(clip, scale, max_weight)
+
+
+def test_levels_beyond_2_pow_51_take_the_conversion_path():
+    x = _update(2, 0.5)
+    kw = {"clip_range": 1.0, "scale": 2.0**51, "max_weight": 1.0}  # level 2^52
+    out = np.empty(D + 1, np.uint64)
+    quantize_weighted_into(x, 1.0, rounding="nearest", out=out, **kw)
+    exact = (np.clip(x.astype(np.float64), -1, 1) + 1.0) * 2.0**51
+    diff = out[:-1].astype(np.float64) - exact
+    assert np.all(np.abs(diff) < 1)  # float64 has half-unit steps here: rounded twice
+    assert out.max() > 1 << 51  # the trick's 51-bit mask would have cut these
+
+
+def test_factor_scales_the_clipped_coordinates_only():
+    x = _update(3, 2.0)
+    kw = {"clip_range": 1.0, "scale": 2.0**12, "max_weight": 10.0}
+    out = np.empty(D + 1, np.uint32)
+    quantize_weighted_into(x, 4.0, rounding="nearest", factor=0.25, out=out, **kw)
+    v = 4.0 * 0.25 * np.clip(x.astype(np.float64), -1, 1) * 2.0**12 + 10.0 * 2.0**12
+    np.testing.assert_array_equal(out[:-1], np.rint(v).astype(np.uint32))
+    assert out[-1] == round(4.0 * 2.0**12)
+
+
+def test_stochastic_rounding_is_floor_or_ceil_unbiased_and_reproducible():
+    x = _update(4, 0.4)
+    kw = {"clip_range": 1.0, "scale": 2.0**10, "max_weight": 5.0}
+    v = 3.0 * np.clip(x.astype(np.float64), -1, 1) * 2.0**10 + 5.0 * 2.0**10
+
+    def draw(seed: int) -> np.ndarray:
+        out = np.empty(D + 1, np.uint32)
+        quantize_weighted_into(x, 3.0, rounding="stochastic", rng=np.random.default_rng(seed),
+                               out=out, **kw)
+        return out
+
+    a, b, c = draw(7), draw(7), draw(8)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    err = a[:-1].astype(np.float64) - v
+    assert np.all((err > -1) & (err < 1))
+    assert np.all((a[:-1] == np.floor(v)) | (a[:-1] == np.ceil(v)))
+    frac = v - np.floor(v)
+    up = a[:-1] > np.floor(v)
+    # P(round up) = frac(v): the mean error is 0 within 5 standard errors
+    assert abs(err.mean()) < 5 * np.sqrt(np.mean(frac * (1 - frac)) / D)
+    assert abs(up.mean() - frac.mean()) < 5 * np.sqrt(0.25 / D)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_updates_are_refused(rounding, bad):
+    x = _update(5, 0.1)
+    x[D - 3] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_weighted_into(x, 1.0, clip_range=1.0, scale=2.0**10, rounding=rounding,
+                               out=np.empty(D + 1, np.uint32))
+
+
+def test_words_too_narrow_for_the_level_are_refused():
+    with pytest.raises(ValueError, match="cannot hold level"):
+        quantize_weighted_into(_update(6, 0.1), 1.0, clip_range=1.0, scale=2.0**10,
+                               max_weight=100.0, rounding="nearest",
+                               out=np.empty(D + 1, np.uint16))
+
+
+# --- masking -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("bits", "dtype"), [(8, np.uint8), (12, np.uint16), (16, np.uint16)])
+def test_masking_into_narrow_words_equals_the_wide_sum(bits, dtype):
+    dim = 2 * CHUNK_BYTES // 4 + 5
+    rng = np.random.default_rng(bits)
+    x = rng.integers(0, 1 << bits, dim).astype(dtype)
+    masks = [(os.urandom(32), -1), (os.urandom(32), 1), (os.urandom(32), -1)]
+    out = np.empty(dim, dtype)
+    combine([x], masks, dim, bits, out=out)  # the first mask's sign is negative
+    wide = x.astype(np.int64)
+    for seed, sign in masks:
+        wide += sign * expand(seed, dim, bits).astype(np.int64)
+    np.testing.assert_array_equal(out, (wide % (1 << bits)).astype(dtype))
+
+
+def test_masking_refuses_words_too_narrow_for_bits():
+    with pytest.raises(ValueError, match="contiguous array"):
+        combine([], [(os.urandom(32), 1)], 10, 17, out=np.empty(10, np.uint16))
+
+
+# --- reused buffers ----------------------------------------------------------------------
+
+def test_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
+    pool = BufferPool(max_bytes=1 << 24)
+    size = 1 << 17
+    a = pool.take(size)
+    view = np.frombuffer(a, np.uint8)  # an array over the buffer keeps it in use
+    del a
+    first = id(view.base.obj)
+    b = pool.take(size)
+    second = id(b.obj)
+    assert second != first
+    del b
+    c = pool.take(size)
+    assert id(c.obj) == second  # nothing referred to it any more: reused
+    del view
+    gc.collect()
+    d = pool.take(size)
+    assert id(d.obj) == first and len(d) == size and not d.readonly
+
+
+def test_pool_keeps_at_most_max_bytes():
+    pool = BufferPool(max_bytes=3 << 17)
+    held = [pool.take(1 << 17) for _ in range(5)]  # all in use: two are not kept
+    assert pool.pooled_bytes <= 3 << 17
+    assert len({id(v.obj) for v in held}) == 5
+    del held
+    pool.take(1 << 18)  # free buffers make room, least recently used first
+    assert pool.pooled_bytes <= 3 << 17
+
+
+def test_replies_kept_by_a_caller_survive_later_rounds():
+    """A MASKED_INPUT reply lives in a reused buffer: rounds after it must not touch it."""
+    dim = 3 * CHUNK_BYTES // 4  # large enough to be pooled
+    rng = np.random.default_rng(9)
+    inputs = [rng.integers(0, 1 << 32, dim, dtype=np.uint64).astype(np.uint32)
+              for _ in range(4)]
+    kept: dict[int, memoryview] = {}
+    copies: dict[int, bytes] = {}  # what each reply held when it was sent
+
+    def keep(stage, src, dst, payload):
+        if src is not None and read_header(payload).kind is MsgType.MASKED_INPUT:
+            kept[src], copies[src] = payload, bytes(payload)
+        return payload
+
+    total, _ = run_secagg_round(inputs, k=3, t=2, intercept=keep)
+    assert len({id(p.obj) for p in kept.values()}) == len(kept) == 4
+    expected = np.sum(inputs, axis=0, dtype=np.uint64).astype(np.uint32)
+    np.testing.assert_array_equal(total, expected)
+    for _ in range(3):
+        again, _ = run_secagg_round(inputs[::-1], k=3, t=2, drop={1: Stage.UNMASKING})
+        np.testing.assert_array_equal(again, expected)
+    gc.collect()
+    assert {c: bytes(p) for c, p in kept.items()} == copies
+    assert all(decode_masked_input(p)[1].vector.size == dim for p in kept.values())
