@@ -259,13 +259,14 @@ ASYNC = ["federation.clients=8", "federation.rounds=4", "train.local_epochs=1",
 
 
 def test_async_rounds_compress_and_record_their_bytes(run_inprocess, store):
-    runs = {}
+    runs, models = {}, []
     for name, overrides in {"fedbuff": ["driver.kind=fedbuff"],
                             "fedbuff_topk": ["driver.kind=fedbuff", "compression.kind=topk"],
                             "fedasync_qsgd": ["driver.kind=fedasync", "compression.kind=qsgd"],
                             "fedbuff_randk": ["driver.kind=fedbuff", *RANDK]}.items():
+        models.clear()
         runs[name] = run_inprocess(load_scenario("default", [*ASYNC, *overrides]),
-                                   simulated=True)
+                                   simulated=True, models=models)
         summary = runs[name]
         assert summary["status"] == "completed" and summary["versions"] == 4, name
         rounds = store.rounds(summary["run_id"])
@@ -278,6 +279,19 @@ def test_async_rounds_compress_and_record_their_bytes(run_inprocess, store):
         rejected = [u.reason for _, u in store.updates(summary["run_id"])
                     if u.fate == "rejected"]
         assert rejected == [], rejected
+    # rand-k: each update was decoded on the pattern of the round its task was sent in
+    # (its base version + 1), so an aggregate moves only those patterns' coordinates
+    config = load_scenario("default", [*ASYNC, "driver.kind=fedbuff", *RANDK])
+    codecs = server.compression.ReplyCompression(CompressionConfig(**config["compression"]))
+    run_id = runs["fedbuff_randk"]["run_id"]
+    for rnd in range(1, 5):
+        bases = {u.base_version for _, u in store.updates(run_id, round=rnd)
+                 if u.fate == "accepted"}
+        covered = np.zeros(models[rnd].size, bool)
+        for base in bases:
+            covered[codecs.codec(run_id, base + 1, models[rnd].size).pattern] = True
+        moved = models[rnd] != models[rnd - 1]
+        assert moved.any() and not (moved & ~covered).any()
     per_update = {name: r["bytes_up"] / sum(
         u.fate != "dropped" for _, u in store.updates(r["run_id"])) for name, r in runs.items()}
     assert per_update["fedbuff"] / per_update["fedbuff_topk"] > 4.5
