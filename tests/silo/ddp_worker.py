@@ -73,6 +73,7 @@ def main(out: str, kind: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    dist.barrier()  # no rank tears its group down while another still works in it
     dist.destroy_process_group()
 
 
