@@ -25,7 +25,7 @@ the timed ones see the steady state of a running simulation (the clients' reused
 and reply buffers exist; a process's first round also pays their page faults). Prints
 one JSON object.
 
-    .venv/bin/python benchmarks/secagg.py            # full grid, about 10 minutes here
+    .venv/bin/python benchmarks/secagg.py            # full grid, 6 to 10 minutes here
     .venv/bin/python benchmarks/secagg.py --quick    # tiny N and d, fedring only (< 30 s)
     .venv/bin/python benchmarks/secagg.py --sizes 100x1000000 --variants k3 \
         --flower-shares 3 --no-dropouts              # one cell: k = 3 against num_shares=3
