@@ -46,6 +46,7 @@ from client import secure_client, wire
 from client.compression import COMPRESSION_KEY
 from server.clock import Clock
 from server.dp import DPController
+from server.exchange import collect
 from server.replies import decode_train_reply
 from server.reporter import Reporter
 from server.secure_buffer import SecureBuffer
@@ -163,14 +164,9 @@ class InFlight:
 
     def _pull(self, ids: list[str]) -> dict[str, Message]:
         got: dict[str, Message] = {}
-        limit = time.monotonic() + self.wall_limit
-        while True:
-            for reply in self.grid.pull_messages([i for i in ids if i not in got]):
-                if reply.metadata.reply_to_message_id in ids:
-                    got[reply.metadata.reply_to_message_id] = reply
-            if len(got) == len(ids) or time.monotonic() >= limit:
-                return got
-            time.sleep(self.poll)
+        collect(self.grid, ids, timeout=self.wall_limit, poll=self.poll,
+                on_reply=got.__setitem__)
+        return got
 
     def _next_wall(self) -> list[Event]:
         while True:

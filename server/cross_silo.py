@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import time
 import uuid
+from collections.abc import Set
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -51,6 +52,7 @@ from client.silo_app import (
 )
 from client.silo_ring import RingSpec, aggregate_digest
 from server.cross_silo_config import SiloConfig
+from server.exchange import collect, push
 from server.store import UpdateRecord
 from server.sync_driver import SyncDriver, sample_nodes, wait_for_nodes
 
@@ -328,32 +330,32 @@ class CrossSiloDriver(SyncDriver):
         reports a failure, stop waiting as soon as every silo still silent has been named by
         a failure report (it hangs or is gone), and at the latest after a grace period for
         the others' reports."""
-        pushed = set(self.grid.push_messages(messages))
-        node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in messages
-                   if m.metadata.message_id in pushed}
+        node_of = push(self.grid, messages)
         rank_of = {m.metadata.dst_node_id: rank for rank, m in enumerate(messages)}
-        pending, replies = set(node_of), {}
-        failed, named = False, set()  # ring ranks that failure reports point at
-        deadline = time.monotonic() + self.driver.deadline(self.fed.round_timeout_s)
-        while pending:
-            for reply in self.grid.pull_messages(list(pending)):
-                msg_id = reply.metadata.reply_to_message_id
-                if msg_id not in pending:
-                    continue
-                pending.discard(msg_id)
-                replies[node_of[msg_id]] = reply
-                self.reporter.client_done(rnd, len(replies), len(messages))
-                result = None if reply.has_error() else reply.content.get(RESULT_RECORD)
-                if not isinstance(result, ConfigRecord) or result.get("status") != STATUS_OK:
-                    failed = True
-                    deadline = min(deadline, time.monotonic() + self.silo.failure_grace_s())
-                    peers = result.get("peers", []) if isinstance(result, ConfigRecord) else []
-                    named.update(int(p) for p in peers if isinstance(p, int))
-            if not pending or time.monotonic() >= deadline:
-                break
-            if failed and all(rank_of[node_of[i]] in named for i in pending):
-                break  # every silo still silent is the one the failures point at
-            time.sleep(self.fed.poll_s)
+        replies: dict[int, Message] = {}
+        grace_end: float | None = None  # set by the first failure: the others' reports due
+        named: set[int] = set()  # ring ranks that failure reports point at
+
+        def take(msg_id: str, reply: Message) -> None:
+            nonlocal grace_end
+            replies[node_of[msg_id]] = reply
+            self.reporter.client_done(rnd, len(replies), len(messages))
+            result = None if reply.has_error() else reply.content.get(RESULT_RECORD)
+            if not isinstance(result, ConfigRecord) or result.get("status") != STATUS_OK:
+                if grace_end is None:
+                    grace_end = time.monotonic() + self.silo.failure_grace_s()
+                peers = result.get("peers", []) if isinstance(result, ConfigRecord) else []
+                named.update(int(p) for p in peers if isinstance(p, int))
+
+        def failed_and_done(pending: Set[str]) -> bool:
+            """After a failure: the grace period is over, or every silo still silent is
+            one the failure reports point at (it hangs or is gone)."""
+            return grace_end is not None and (
+                time.monotonic() >= grace_end
+                or all(rank_of[node_of[i]] in named for i in pending))
+
+        collect(self.grid, node_of, timeout=self.driver.deadline(self.fed.round_timeout_s),
+                poll=self.fed.poll_s, on_reply=take, stop=failed_and_done)
         return replies
 
     def exclude(self, rnd: int, blamed: dict[int, str]) -> None:

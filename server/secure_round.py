@@ -49,6 +49,7 @@ from client.compression import COMPRESSION_KEY
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize_weighted
 from server.compression import RoundPattern, SharedPattern
+from server.exchange import collect, push
 from server.secagg_config import SecAggScenarioConfig
 from server.store import UpdateRecord
 
@@ -133,20 +134,9 @@ def _payload(reply: Message) -> bytes:
 def _exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: float,
               on_reply: Callable[[int, Message], None]) -> None:
     """Push, then hand each reply to ``on_reply(node, reply)`` until all came or time is up."""
-    pushed = set(grid.push_messages(messages))
-    node_of = {m.metadata.message_id: m.metadata.dst_node_id for m in messages
-               if m.metadata.message_id in pushed}
-    pending = set(node_of)
-    deadline = time.monotonic() + timeout
-    while pending:
-        for reply in grid.pull_messages(list(pending)):
-            msg_id = reply.metadata.reply_to_message_id
-            if msg_id in pending:
-                pending.discard(msg_id)
-                on_reply(node_of[msg_id], reply)
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(poll)
+    node_of = push(grid, messages)
+    collect(grid, node_of, timeout=timeout, poll=poll,
+            on_reply=lambda msg_id, reply: on_reply(node_of[msg_id], reply))
 
 
 #: Runs the masked-input stage instead of the Grid: (session, FORWARDED_SHARES by node).

@@ -24,6 +24,7 @@ from server.compression import ReplyCompression
 from server.config import FederationConfig
 from server.dp import DPController
 from server.driver_config import DriverConfig
+from server.exchange import collect, push
 from server.replies import decode_train_reply
 from server.reporter import Reporter
 from server.store import Store, UpdateRecord
@@ -83,39 +84,30 @@ def exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: float
     to no pending message (a duplicate or a replay) goes to ``on_reply`` at once, to be
     rejected there, and does not count.
     """
-    ids = list(grid.push_messages(messages))
-    nodes_by_id = {msg_id: msg.metadata.dst_node_id
-                   for msg_id, msg in zip(ids, messages, strict=False)}
+    nodes_by_id = push(grid, messages)
     if on_push is not None:
         on_push(nodes_by_id)
     pushed = set(nodes_by_id.values())
     missing = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in pushed]
-    position = {msg_id: i for i, msg_id in enumerate(ids)}
+    position = {msg_id: i for i, msg_id in enumerate(nodes_by_id)}
     waiting: dict[int, Message] = {}
-    next_pos, received = 0, 0
-    pending = set(ids)
-    deadline = time.monotonic() + timeout
-    while pending:
-        # In push order: the in-process engine runs each client as its reply is pulled.
-        for reply in grid.pull_messages([i for i in ids if i in pending]):
-            msg_id = reply.metadata.reply_to_message_id
-            if msg_id not in pending:  # a duplicate, or a reply to another round
-                on_reply(reply)
-                continue
-            pending.discard(msg_id)
-            received += 1
-            waiting[position[msg_id]] = reply
-            while next_pos in waiting:
-                on_reply(waiting.pop(next_pos))
-                next_pos += 1
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(poll)
+    next_pos = 0
+
+    def in_push_order(msg_id: str, reply: Message) -> None:
+        nonlocal next_pos
+        waiting[position[msg_id]] = reply
+        while next_pos in waiting:
+            on_reply(waiting.pop(next_pos))
+            next_pos += 1
+
+    # A reply to no pending message (a duplicate, or a reply to another round) is rejected.
+    late = collect(grid, nodes_by_id, timeout=timeout, poll=poll, on_reply=in_push_order,
+                   on_stray=on_reply)
     for pos in sorted(waiting):  # the deadline passed with gaps: consume the rest in order
         on_reply(waiting.pop(pos))
     if pending_out is not None:
-        pending_out.update({i: nodes_by_id[i] for i in ids if i in pending})
-    return received, missing + [nodes_by_id[i] for i in ids if i in pending]
+        pending_out.update({i: nodes_by_id[i] for i in late})
+    return len(nodes_by_id) - len(late), missing + [nodes_by_id[i] for i in late]
 
 
 def _record(verdict: Verdict, metrics: dict[str, float] | None = None) -> UpdateRecord:
