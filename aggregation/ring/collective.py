@@ -16,7 +16,7 @@ Op = Literal["sum", "mean"]
 Algorithm = Literal["ring", "master", "tree", "native"]
 
 ALGORITHMS: tuple[str, ...] = ("ring", "master", "tree", "native")
-DEFAULT_SEGMENT_BYTES = 4 << 20
+DEFAULT_SEGMENT_BYTES = 16 << 20
 DEFAULT_WINDOW = 4
 
 # Unsigned types torch cannot add are carried as the signed type of the same width:

@@ -54,8 +54,13 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
     """Ring allreduce of flat ``src`` into flat ``out`` with segments pipelined across steps.
 
     Up to ``window`` segment receives are posted ahead. A reduced segment is sent
-    on at once. An all-gather receive lands in ``out`` directly, so it is posted
-    only once the reduce-scatter send that read the same place has completed.
+    on at once. Before the last reduce-scatter step a segment is reduced in its
+    receive buffer (``buf += src``, in cache and without touching ``out``) and sent
+    from there; that buffer is reused once the send has completed, and a new one is
+    taken meanwhile (waiting for it could deadlock the ring). The last step writes
+    ``out = src + buf``. An all-gather receive lands in ``out``
+    directly, so it is posted only once a send that read the same place (step 0,
+    when ``src`` is ``out``) has completed.
     """
     n, r = ch.size, ch.rank
     steps = 2 * (n - 1)
@@ -64,15 +69,31 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
     # Receive stream: step t brings chunk (r - t - 1) mod n, segment by segment.
     items = [(t, j) for t in range(steps) for j in range(len(segs[(r - t - 1) % n]))]
     scratch = Scratch(src)
-    sends: dict[tuple[int, int], Pending] = {}
-    inflight: deque[tuple[Pending, torch.Tensor]] = deque()
+    sends: dict[tuple[int, int], Pending] = {}  # sends that read src or out
+    busy: dict[int, Pending | None] = {}  # receive buffers in use: pending send or None
+
+    def free_slot() -> int:
+        """A receive buffer with no receive and no send in flight; never blocks."""
+        for slot in range(len(busy) + 1):
+            if slot not in busy:
+                return slot
+            pending = busy[slot]
+            if pending is not None and ch.done(pending):
+                ch.wait(busy.pop(slot))
+                return slot
+        raise AssertionError("unreachable")
+
+    inflight: deque[tuple[Pending, torch.Tensor, int]] = deque()
 
     def label(t: int, j: int, chunk: int) -> str:
         return f"{_step_name(t, n)}, segment {j + 1}/{len(segs[chunk])}"
 
-    def post_send(t: int, j: int) -> None:
+    def post_send(t: int, j: int, data: torch.Tensor | None = None, slot: int = -1) -> None:
         chunk = (r - t) % n
         lo, hi = segs[chunk][j]
+        if data is not None:
+            busy[slot] = ch.post(label(t, j, chunk), sends=[(data, right)])
+            return
         data = (src if t == 0 else out)[lo:hi]
         sends[(t, j)] = ch.post(label(t, j, chunk), sends=[(data, right)])
 
@@ -81,17 +102,20 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
         t, j = items[k]
         chunk = (r - t - 1) % n
         lo, hi = segs[chunk][j]
+        slot = -1
         if t < n - 1:
-            buf = scratch.get(k % window, hi - lo)
+            slot = free_slot()
+            busy[slot] = None
+            buf = scratch.get(slot, hi - lo)
         else:
-            # out[lo:hi] was sent at reduce-scatter step t - n + 1 (from src if that was step 0).
+            # Of the reduce-scatter sends of this region only step 0's read src (maybe out).
             earlier = sends.get((t - n + 1, j))
             if earlier is not None:
                 if not block and not ch.done(earlier):
                     return False
                 ch.wait(sends.pop((t - n + 1, j)))
             buf = out[lo:hi]
-        inflight.append((ch.post(label(t, j, chunk), recvs=[(buf, left)]), buf))
+        inflight.append((ch.post(label(t, j, chunk), recvs=[(buf, left)]), buf, slot))
         return True
 
     # Receives from one peer match in posting order, so they are posted strictly in
@@ -111,15 +135,20 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
         if posted == k:
             post_recv(k, block=True)
             posted += 1
-        pending, buf = inflight.popleft()
+        pending, buf, slot = inflight.popleft()
         ch.wait(pending)
         lo, hi = segs[(r - t - 1) % n][j]
-        if t < n - 1:
-            torch.add(src[lo:hi], buf, out=out[lo:hi])
-            if mean and t == n - 2:
-                out[lo:hi].div_(n)
-        if t + 1 < steps:
-            post_send(t + 1, j)
+        if t < n - 2:
+            post_send(t + 1, j, buf.add_(src[lo:hi]), slot)
+        else:
+            if t == n - 2:
+                torch.add(src[lo:hi], buf, out=out[lo:hi])
+                if mean:
+                    out[lo:hi].div_(n)
+                del busy[slot]
+            if t + 1 < steps:
+                post_send(t + 1, j)
         prefetch(k + 1 + window)
-    for pending in sends.values():
-        ch.wait(pending)
+    for pending in [*sends.values(), *busy.values()]:
+        if pending is not None:
+            ch.wait(pending)

@@ -92,10 +92,10 @@ def _grouped(alg: str, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _in_place(alg: str, x: torch.Tensor) -> torch.Tensor:
+def _in_place(alg: str, x: torch.Tensor, **opts: object) -> torch.Tensor:
     """allreduce(y, out=y) must fill y itself and return it."""
     y = x.clone()
-    out = allreduce(y, algorithm=alg, out=y)
+    out = allreduce(y, algorithm=alg, out=y, **opts)
     return y if out is y else torch.full_like(y, float("nan"))
 
 
@@ -140,6 +140,10 @@ def sweep(rank: int, n: int) -> dict[str, object]:
                     results[f"{key}/grouped"] = run(f"{key}/grouped", _grouped, alg, x)
                 if dtype == torch.float32:
                     results[f"{key}/in-place"] = run(f"{key}/in-place", _in_place, alg, x)
+                    if length <= VARIANT_LENGTH:
+                        results[f"{key}/in-place/segments=4KiB"] = run(
+                            f"{key}/in-place/segments=4KiB", _in_place, alg, x,
+                            segment_bytes=4096, window=3)
                 for k, result in results.items():
                     if result is None:
                         continue
