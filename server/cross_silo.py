@@ -277,11 +277,9 @@ class CrossSiloDriver(SyncDriver):
         left = [n for n in self.grid.get_node_ids() if n not in self.excluded]
         if len(left) >= self.fed.min_clients:
             return False
-        self.stop_reason = (f"stopped before round {self.state.round + 1}: {len(left)} silo(s) "
-                            f"left after excluding {sorted(self.excluded)}, "
-                            f"federation.min_clients is {self.fed.min_clients}")
-        self.reporter.message(self.stop_reason)
-        return True
+        return self._stop_before_next_round(
+            f"{len(left)} silo(s) left after excluding {sorted(self.excluded)}, "
+            f"federation.min_clients is {self.fed.min_clients}")
 
     def ring_order(self, rnd: int) -> list[int]:
         """This round's participants, in ring order (excluded silos left out)."""

@@ -232,9 +232,13 @@ class SyncDriver:
         after = self.dp.next_round_exceeds_budget()
         if after is None:
             return False
-        self.stop_reason = (f"stopped before round {self.state.round + 1}: epsilon would reach "
-                            f"{after:.4g} > dp.epsilon_budget {self.dp.config.epsilon_budget:g} "
-                            f"(spent {self.dp.epsilon():.4g})")
+        return self._stop_before_next_round(
+            f"epsilon would reach {after:.4g} > dp.epsilon_budget "
+            f"{self.dp.config.epsilon_budget:g} (spent {self.dp.epsilon():.4g})")
+
+    def _stop_before_next_round(self, why: str) -> bool:
+        """Record and show why the run stops before its next round; True."""
+        self.stop_reason = f"stopped before round {self.state.round + 1}: {why}"
         self.reporter.message(self.stop_reason)
         return True
 
