@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from client.executor import WarmExecutor
 from client.silo_app import SiloClient, SiloWorker, WorkerCache, make_silo_client_app
+from client.silo_options import DEVICES, add_worker_options
 from client.silo_ring import loopback_interface, warm_up
 from client.silo_training import check_silo_training, train_ddp
 from client.task import SpecResolver, TaskFactory
 
-DEVICES = ("auto", "cpu", "cuda")
 log = logging.getLogger("fedring.silo")
 
 
@@ -119,18 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runtime-api-address", default="127.0.0.1:9094",
                         help="the SuperNode's Runtime API (rank 0 only)")
-    tls = parser.add_mutually_exclusive_group()
-    tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API")
-    tls.add_argument("--root-certificates", metavar="CA_PEM",
-                     help="CA certificate that signed the SuperNode's --ssl-certfile")
-    parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="cuda: one GPU per process over NCCL; cpu: gloo (default auto)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds a collective inside the silo may wait (default 300)")
-    parser.add_argument("--poll", type=float, default=0.05,
-                        help="seconds between the leader's task polls when idle")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch CPU threads per process (0: torch's default)")
+    add_worker_options(parser)
     return parser
 
 

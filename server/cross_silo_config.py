@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aggregation.ring import ALGORITHMS
+from server.config import check_choice
 
 CROSS_SILO = "cross_silo"
 RING_BACKENDS = ("gloo", "nccl")
@@ -47,12 +48,8 @@ class SiloConfig:
             raise ValueError(f"silo.join_timeout_s must be > 0, got {self.join_timeout_s}")
         if not self.ring_timeout_s > 0:
             raise ValueError(f"silo.ring_timeout_s must be > 0, got {self.ring_timeout_s}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"silo.algorithm '{self.algorithm}' is unknown; choose one of: "
-                             f"{', '.join(ALGORITHMS)}")
-        if self.backend not in RING_BACKENDS:
-            raise ValueError(f"silo.backend '{self.backend}' is unknown; choose one of: "
-                             f"{', '.join(RING_BACKENDS)}")
+        check_choice("silo.algorithm", self.algorithm, ALGORITHMS)
+        check_choice("silo.backend", self.backend, RING_BACKENDS)
 
     def failure_grace_s(self) -> float:
         """How long the server waits for the other silos' replies once one reports a failure."""

@@ -18,7 +18,7 @@ from client.training import TrainConfig
 from privacy.dp import DPConfig
 from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
 from server.compression import check_compression
-from server.config import AggregationConfig, FederationConfig, from_section
+from server.config import AggregationConfig, FederationConfig, check_choice, from_section
 from server.cross_silo_config import SiloConfig, check_cross_silo
 from server.dp import dp_controller
 from server.driver_config import ClientsConfig, DriverConfig, check_driver, merge_staleness
@@ -45,12 +45,8 @@ class DataConfig:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.dataset not in dataset_names():
-            raise ValueError(f"data.dataset '{self.dataset}' is unknown; choose one of: "
-                             f"{', '.join(dataset_names())}")
-        if self.partitioner not in partitioner_names():
-            raise ValueError(f"data.partitioner '{self.partitioner}' is unknown; choose one of: "
-                             f"{', '.join(partitioner_names())}")
+        check_choice("data.dataset", self.dataset, dataset_names())
+        check_choice("data.partitioner", self.partitioner, partitioner_names())
         if not 0 < self.test_fraction < 1:
             raise ValueError(f"data.test_fraction must be in (0, 1), got {self.test_fraction}")
 
@@ -136,9 +132,7 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
         config[section] = dataclasses.asdict(from_section(cls, section, values))
     model = dict(raw.get("model", {}))
     kind = model.setdefault("kind", "mlp")
-    if kind not in model_names():
-        raise ValueError(f"model.kind '{kind}' is unknown; choose one of: "
-                         f"{', '.join(model_names())}")
+    check_choice("model.kind", kind, model_names())
     config["model"] = model
     fed = FederationConfig(**config["federation"])
     AggregationConfig(**config["aggregation"]).check_clients(fed.clients_per_round(fed.clients))

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEVICES = ("auto", "cpu", "cuda")
+from client.silo_options import DEVICES, add_worker_options
+
 WORKER_MODULE = "simulations.silo_worker"
 
 
@@ -148,19 +149,7 @@ def add_parser(sub: Any) -> None:
                    help="node 0's address for the silo's rendezvous (several machines)")
     p.add_argument("--runtime-api-address", default="127.0.0.1:9094", metavar="HOST:PORT",
                    help="the Runtime API of the SuperNode started with --isolation process")
-    tls = p.add_mutually_exclusive_group()
-    tls.add_argument("--insecure", action="store_true", help="plain HTTP to the Runtime API")
-    tls.add_argument("--root-certificates", metavar="CA_PEM",
-                     help="CA certificate that signed the SuperNode's --ssl-certfile")
-    p.add_argument("--device", choices=DEVICES, default="auto",
-                   help="cuda: one GPU per process over NCCL; cpu: gloo; auto: cuda if "
-                        "present")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a collective inside the silo may wait (default 300)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads per process (0: torch's default)")
-    p.add_argument("--poll", type=float, default=0.05,
-                   help="seconds between rank 0's task polls when idle")
+    add_worker_options(p)
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts of the silo's processes after a failure")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
