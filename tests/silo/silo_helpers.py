@@ -50,7 +50,8 @@ def expected_first_round(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray
 
 def run_ddp_worker(out: Path, nproc: int, kind: str) -> dict:
     """Run ``ddp_worker.py`` under torchrun (``kind``: cpu or cuda); its JSON results."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that crashes prints its Python stack
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", str(nproc), str(DDP_WORKER), str(out), kind],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
