@@ -1,11 +1,14 @@
-"""Secure aggregation on Flower's simulation engine: same dropouts and model as in process."""
+"""Secure aggregation on Flower's simulation engine: same dropouts, model and bytes as in
+process."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import server.compression
 from client.secure_client import dropout_stage
+from simulations.apps import build_task
 from simulations.cli import run_simulation
 from simulations.config import load_scenario
 
@@ -33,3 +36,28 @@ def test_flower_engine_secure_run_with_dropouts_matches_the_inprocess_engine(db_
     pa = store.load_checkpoint(a["run_id"]).params
     pb = store.load_checkpoint(b["run_id"]).params
     np.testing.assert_allclose(pa, pb, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_flower_engine_secure_randk_matches_the_inprocess_engine(db_url, store, monkeypatch):
+    # one run number for both runs, so that both draw each round's pattern alike
+    monkeypatch.setattr(server.compression, "session_number", lambda run_id: 12345)
+    cfg = load_scenario("default", ["federation.clients=4", "federation.rounds=2",
+                                    "train.local_epochs=1", "secagg.enabled=true",
+                                    "compression.kind=topk", "compression.shared_pattern=true",
+                                    "compression.fraction=0.1"])
+    a = run_simulation(cfg, engine="inprocess", db=db_url)
+    b = run_simulation(cfg, engine="flower", db=db_url)
+    assert a["versions"] == b["versions"] == 2
+    pa = store.load_checkpoint(a["run_id"]).params
+    pb = store.load_checkpoint(b["run_id"]).params
+    np.testing.assert_allclose(pa, pb, rtol=0, atol=1e-5)
+    start = build_task(cfg).initial_params()[0]
+    moved = np.count_nonzero(pa != start)
+    assert 0 < moved < 0.25 * pa.size  # two rounds of 10% patterns, not a dense update
+    # k + 1 masked words per client and round, on either engine
+    rounds = {run["run_id"]: store.rounds(run["run_id"]) for run in (a, b)}
+    up = [[r.metrics["bytes_up"] for r in rs if r.metrics.get("bytes_up")]
+          for rs in rounds.values()]
+    assert len(up[0]) == 2 and up[0] == up[1]
+    assert max(up[0]) < 4 * pa.size  # all four uploads and keys: less than one dense vector
