@@ -3,7 +3,8 @@
 One silo runs two processes (DDP inside), the other one. Round 1 aggregates over the ring
 of both, and the server applies exactly the weighted mean of what each silo would train
 alone. The second silo is then killed (its whole torchrun job, SIGKILL) as its SuperNode
-receives the round-2 message, and round 2 fails once the first gives up on it.
+receives the round-2 message, and round 2 fails once the first gives up on it. Before
+that, a secure run over the same silos sums masked updates over the ring.
 """
 
 from __future__ import annotations
@@ -89,16 +90,49 @@ def _train_messages(log: str) -> int:
     return Path(log).read_text(errors="replace").count("Receiving: train.cross_silo message")
 
 
+def _flwr_run(silos: dict[str, Any], db: str, overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "flwr"), "run", ".", FEDERATION, "--run-config",
+                             f'db="{db}" overrides="{overrides}"', "--stream"], cwd=ROOT,
+                            env=silos["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def test_real_silos_sum_masked_updates_over_the_ring(silos: dict[str, Any]) -> None:
+    """SecAgg+ across the real silos: masked words through the ring, the plain mean out."""
+    db = f"sqlite:///{silos['tmp'] / 'secure.db'}"
+    overrides = (f"federation.clients={SILOS} federation.min_clients={SILOS} federation.rounds=1 "
+                 "federation.round_timeout_s=120 train.local_epochs=1 driver.kind=cross_silo "
+                 "silo.join_timeout_s=10 silo.ring_timeout_s=30 secagg.enabled=true")
+    run = _flwr_run(silos, db, overrides)
+    try:
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 0, out[-4000:]
+
+    with Store(db) as store:
+        [info] = store.list_runs()
+        rounds = store.rounds(info.run_id)
+        model = store.load_checkpoint(info.run_id, round=1)
+        [secure] = store.secagg_rounds(info.run_id)
+    assert info.config["secagg"]["enabled"] and info.config["driver"]["kind"] == "cross_silo"
+    assert [r.status for r in rounds] == ["completed", "completed"], out[-4000:]
+    assert rounds[1].metrics["ring_count"] == SILOS
+    assert secure["status"] == "completed" and secure["num_survivors"] == SILOS
+    initial, expected = expected_first_round(info.config)
+    # each silo rounds its weighted update to the fixed-point grid (far below 1e-5 here)
+    np.testing.assert_allclose(model.params - initial, expected, atol=1e-5)
+
+
 def test_real_silos_aggregate_over_the_ring_and_a_killed_silo_fails_the_round(
         silos: dict[str, Any]) -> None:
     db = f"sqlite:///{silos['tmp'] / 'silos.db'}"
     overrides = (f"federation.clients={SILOS} federation.min_clients={SILOS} federation.rounds=2 "
                  "federation.round_timeout_s=120 train.local_epochs=1 driver.kind=cross_silo "
                  "silo.join_timeout_s=10 silo.ring_timeout_s=3")
-    run = subprocess.Popen([str(BIN / "flwr"), "run", ".", FEDERATION, "--run-config",
-                            f'db="{db}" overrides="{overrides}"', "--stream"], cwd=ROOT,
-                           env=silos["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+    run = _flwr_run(silos, db, overrides)
     victim_node = silos["procs"][f"supernode-{SILOS - 1}"]
     victim_silo = silos["procs"][f"silo-{SILOS - 1}"]
     try:
