@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,26 +91,31 @@ def _train_messages(log: str) -> int:
     return Path(log).read_text(errors="replace").count("Receiving: train.cross_silo message")
 
 
-def _flwr_run(silos: dict[str, Any], db: str, overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "flwr"), "run", ".", FEDERATION, "--run-config",
-                             f'db="{db}" overrides="{overrides}"', "--stream"], cwd=ROOT,
-                            env=silos["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+@contextmanager
+def _flwr_run(silos: dict[str, Any], db: str, rounds: int,
+              extra: str) -> Iterator[subprocess.Popen]:
+    """`flwr run` of a cross-silo run over the silos (killed if it still runs at the end)."""
+    overrides = (f"federation.clients={SILOS} federation.min_clients={SILOS} "
+                 f"federation.rounds={rounds} federation.round_timeout_s=120 "
+                 f"train.local_epochs=1 driver.kind=cross_silo silo.join_timeout_s=10 {extra}")
+    run = subprocess.Popen([str(BIN / "flwr"), "run", ".", FEDERATION, "--run-config",
+                            f'db="{db}" overrides="{overrides}"', "--stream"], cwd=ROOT,
+                           env=silos["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
 
 
 def test_real_silos_sum_masked_updates_over_the_ring(silos: dict[str, Any]) -> None:
     """SecAgg+ across the real silos: masked words through the ring, the plain mean out."""
     db = f"sqlite:///{silos['tmp'] / 'secure.db'}"
-    overrides = (f"federation.clients={SILOS} federation.min_clients={SILOS} federation.rounds=1 "
-                 "federation.round_timeout_s=120 train.local_epochs=1 driver.kind=cross_silo "
-                 "silo.join_timeout_s=10 silo.ring_timeout_s=30 secagg.enabled=true")
-    run = _flwr_run(silos, db, overrides)
-    try:
+    with _flwr_run(silos, db, 1, "silo.ring_timeout_s=30 secagg.enabled=true") as run:
         out, _ = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
+    # `flwr run --stream` exits 0 even when the ServerApp raises: the store says how it went
     assert run.returncode == 0, out[-4000:]
 
     with Store(db) as store:
@@ -129,13 +135,9 @@ def test_real_silos_sum_masked_updates_over_the_ring(silos: dict[str, Any]) -> N
 def test_real_silos_aggregate_over_the_ring_and_a_killed_silo_fails_the_round(
         silos: dict[str, Any]) -> None:
     db = f"sqlite:///{silos['tmp'] / 'silos.db'}"
-    overrides = (f"federation.clients={SILOS} federation.min_clients={SILOS} federation.rounds=2 "
-                 "federation.round_timeout_s=120 train.local_epochs=1 driver.kind=cross_silo "
-                 "silo.join_timeout_s=10 silo.ring_timeout_s=3")
-    run = _flwr_run(silos, db, overrides)
     victim_node = silos["procs"][f"supernode-{SILOS - 1}"]
     victim_silo = silos["procs"][f"silo-{SILOS - 1}"]
-    try:
+    with _flwr_run(silos, db, 2, "silo.ring_timeout_s=3") as run:
         deadline = time.monotonic() + 300
         while _train_messages(victim_node["log"]) < 2:  # round 2's message is in
             assert run.poll() is None, run.communicate()[0][-4000:]
@@ -144,10 +146,6 @@ def test_real_silos_aggregate_over_the_ring_and_a_killed_silo_fails_the_round(
         for pid in [victim_silo["pid"], *deploy.descendants([victim_silo["pid"]])]:
             os.kill(pid, signal.SIGKILL)  # torchrun, its worker and the worker's children
         out, _ = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()
     assert run.returncode == 0, out[-4000:]
 
     with Store(db) as store:
