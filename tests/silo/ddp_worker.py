@@ -74,9 +74,9 @@ def main(out: str, kind: str) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.barrier()  # every rank is done and rank 0's results are on disk
-    # Leave without gloo's teardown: on a loaded machine it now and then aborts a rank
-    # ("terminate called without an active exception") after all the work is done,
-    # which would fail the run for a reason that is not the one under test.
+    # Leave without gloo's teardown: on a loaded machine a rank now and then aborted at the
+    # end ("terminate called without an active exception"), failing the run for a reason
+    # that is not the one under test; everything under test is done here.
     os._exit(0)
 
 
