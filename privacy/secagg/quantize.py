@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 
+from privacy.secagg.encode_kernel import encode
 from privacy.secagg.params import MAX_BITS, word_dtype
 
 Rounding = Literal["stochastic", "nearest"]
@@ -129,8 +130,7 @@ def quantize_weighted(
     return _round(v, level, bits, rounding, rng)
 
 
-CHUNK = 1 << 15  # coordinates per step of quantize_weighted_into: its scratch stays in cache
-_MAGIC = 1.5 * 2.0**52  # y + _MAGIC rounds y in [-2^51, 2^51] to an integer in the low bits
+CHUNK = 1 << 15  # coordinates per keystream step of stochastic rounding: it stays in cache
 
 
 def quantize_weighted_into(
@@ -154,10 +154,9 @@ def quantize_weighted_into(
     U uniform on [0, 1) in steps of 2^-32, drawn from an AES-128-CTR keystream keyed by
     16 bytes of ``rng`` (about five times cheaper than numpy's generator).
 
-    Fast path: per cache-sized chunk, v = a * clip(x) + b is computed in float64 (as
-    in the reference), then adding 1.5 * 2^52 leaves round(v) in the low bits of the
-    float64 word (exact for 0 <= v < 2^51), which are narrowed into ``out`` without a
-    float-to-integer conversion. Levels of 2^51 or more take numpy's conversion.
+    One compiled pass (:func:`privacy.secagg.encode_kernel.encode`) computes
+    v = a * clip(x) + b in float64, rounds, clamps and stores each word, and finds any
+    NaN or infinity on the way; stochastic noise is generated chunk by chunk beside it.
     """
     x = np.asarray(update).reshape(-1)
     d = x.size
@@ -175,77 +174,50 @@ def quantize_weighted_into(
         raise ValueError(f"{out.dtype} words cannot hold level {level}")
     rng = rng if rng is not None else np.random.default_rng()
     stochastic = rounding == "stochastic"
-    a, b = weight * factor * scale, max_weight * clip_range * scale
     if d:
-        high, low = x.max(), x.min()
-        if not (np.isfinite(high) and np.isfinite(low)):  # NaN propagates
+        if x.dtype not in (np.float32, np.float64):
+            x = x.astype(np.float64)
+        a, b = weight * factor * scale, max_weight * clip_range * scale
+        top = float(level)
+        if int(top) > level:  # rounded up (levels above 2^53): stay within the words
+            top = math.nextafter(top, 0.0)
+        args = (float(a), float(b), float(clip_range), top)
+        if stochastic:
+            finite = _encode_stochastic(x, out[:d], args, _stream_from(rng))
+        else:
+            finite = encode(x, _NO_NOISE, out[:d], *args)
+        if not finite:
             raise ValueError("update has non-finite values")
-        clip = not (-clip_range <= low and high <= clip_range)
-        _Encoder(a, b, clip_range if clip else None, level, stochastic, rng).run(x, out[:d])
     w = weight * scale + (rng.random() if stochastic else 0.5)
     out[d] = min(level, int(w))
     return out
 
 
-class _Encoder:
-    """Chunk by chunk: out = R(a * clip(x) + b), all values in [0, level]."""
-
-    def __init__(self, a: float, b: float, clip: float | None, level: int, stochastic: bool,
-                 rng: np.random.Generator) -> None:
-        self.a, self.clip = np.float64(a), clip
-        self.magic = level < 1 << 51
-        self.offset = b - 0.5 if stochastic else b  # floor(v + U) = round(v + U - 1/2)
-        # y + _MAGIC rounds y exactly; for a non-integral offset, add it first
-        self.fold = float(self.offset).is_integer() and abs(self.offset) < 2**51
-        self.noise = _stream_from(rng) if stochastic else None
-        self.v, self.u, self.r = _scratch()
-
-    def run(self, x: np.ndarray, out: np.ndarray) -> None:
-        for start in range(0, x.size, CHUNK):
-            stop = min(x.size, start + CHUNK)
-            self._chunk(x[start:stop], out[start:stop])
-
-    def _chunk(self, x: np.ndarray, out: np.ndarray) -> None:
-        n = x.size
-        v = self.v[:n]
-        if self.clip is None:
-            np.copyto(v, x)  # widening, then multiplying in place: faster than one mixed pass
-        else:
-            np.clip(x, -self.clip, self.clip, out=v)
-        v *= self.a
-        if self.noise is not None:  # U = 32 random bits / 2^32
-            self.noise.update_into(_ZERO_BYTES[: 4 * n], self.r)
-            u = self.u[:n]
-            np.multiply(np.frombuffer(self.r, np.uint32, count=n), 2.0**-32, out=u,
-                        dtype=np.float64)
-            v += u
-        if not self.magic:  # v + 1/2 >= 0: truncation rounds
-            v += self.offset + 0.5
-            np.copyto(out, v, casting="unsafe")
-            return
-        if self.fold:
-            v += self.offset + _MAGIC
-        else:
-            v += self.offset
-            v += _MAGIC
-        low = v.view(np.uint64)  # 2^51 + round(v) in the low 52 bits
-        if out.dtype.itemsize < 8:
-            np.copyto(out, low, casting="unsafe")  # keeps the low bits: round(v)
-        else:
-            np.bitwise_and(low, np.uint64((1 << 51) - 1), out=out)
+def _encode_stochastic(x: np.ndarray, out: np.ndarray, args: tuple[float, ...],
+                       noise: CipherContext) -> bool:
+    """:func:`encode` chunk by chunk, each with its own slice of the noise keystream."""
+    buf = _scratch()
+    words = np.frombuffer(buf, np.uint32, count=CHUNK)
+    finite = True
+    for start in range(0, x.size, CHUNK):
+        stop = min(x.size, start + CHUNK)
+        n = stop - start
+        noise.update_into(_ZERO_BYTES[: 4 * n], buf)
+        finite &= encode(x[start:stop], words[:n], out[start:stop], *args)
+    return finite
 
 
+_NO_NOISE = np.empty(0, np.uint32)
 _ZERO_BYTES = memoryview(bytes(4 * CHUNK))
 _LOCAL = threading.local()
 
 
-def _scratch() -> tuple[np.ndarray, np.ndarray, bytearray]:
-    """This thread's chunk buffers (values, noise, keystream), reused across calls: fresh
-    ones would pay their page faults on every call."""
+def _scratch() -> bytearray:
+    """This thread's keystream chunk, reused across calls (a fresh one would pay its page
+    faults on every call); update_into needs block-1 bytes of slack."""
     scratch = getattr(_LOCAL, "scratch", None)
     if scratch is None:
-        # update_into needs block-1 bytes of slack
-        scratch = _LOCAL.scratch = (np.empty(CHUNK), np.empty(CHUNK), bytearray(4 * CHUNK + 15))
+        scratch = _LOCAL.scratch = bytearray(4 * CHUNK + 15)
     return scratch
 
 

@@ -1,5 +1,5 @@
-"""The fast paths agree with their references: chunked quantization (round by the 1.5 * 2^52
-trick, stochastic noise from AES-CTR), masking into narrow words with the first vector and
+"""The fast paths agree with their references: compiled quantization (one pass; stochastic
+noise from AES-CTR, chunk by chunk), masking into narrow words with the first vector and
 mask added in one pass, and reused buffers that are never handed out while referenced."""
 
 from __future__ import annotations
@@ -52,6 +52,31 @@ def test_levels_beyond_2_pow_51_take_the_conversion_path():
     diff = out[:-1].astype(np.float64) - exact
     assert np.all(np.abs(diff) < 1)  # float64 has half-unit steps here: rounded twice
     assert out.max() > 1 << 51  # the trick's 51-bit mask would have cut these
+
+
+def test_levels_of_2_pow_63_and_more_keep_the_top_bit():
+    x = np.array([-1.0, -0.25, 0.0, 0.4, 1.0, 3.0], np.float32)
+    scale = 1.5 * 2.0**61
+    kw = {"clip_range": 1.0, "scale": scale, "max_weight": 2.0}
+    out = np.empty(x.size + 1, np.uint64)
+    quantize_weighted_into(x, 2.0, rounding="nearest", out=out, **kw)
+    level = max_level(1.0, scale, 2.0)
+    assert 1 << 63 < level < 1 << 64
+    a = b = 2.0 * scale  # the same float64 operations, in Python
+    exact = [round(max(-1.0, min(1.0, float(v))) * a + b) for v in x]
+    assert [int(w) for w in out[:-1]] == exact
+    assert sum(w >= 1 << 63 for w in exact) == 3  # stored with the top bit set
+    assert exact[-1] == level
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int16])
+def test_other_input_dtypes_give_the_float32_words(dtype):
+    x = (np.random.default_rng(9).standard_normal(1000) * 20).astype(dtype)
+    kw = {"clip_range": 16.0, "scale": 2.0**8, "max_weight": 1.0, "rounding": "nearest"}
+    out = np.empty(x.size + 1, np.uint32)
+    quantize_weighted_into(x, 1.0, out=out, **kw)
+    ref = quantize_weighted(x.astype(np.float64), 1.0, bits=32, **kw)
+    np.testing.assert_array_equal(out, ref)
 
 
 def test_factor_scales_the_clipped_coordinates_only():
