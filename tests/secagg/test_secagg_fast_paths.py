@@ -30,6 +30,7 @@ def _update(seed: int, spread: float) -> np.ndarray:
     (1.0, 2.0**16, 50.0, 37.0, np.uint32, 3.0),  # many coordinates clipped
     (0.3, 1000.3, 3.0, 1.7, np.uint32, 0.2),  # offset W*c*scale not an integer
     (0.5, 2.0**6, 2.0, 0.0, np.uint16, 1.0),  # weight 0; 16-bit words
+    (0.5, 255.0, 1.0, 1.0, np.uint8, 0.4),  # 8-bit words, values up to 255
     (2.0, 2.0**30, 100.0, 99.0, np.uint64, 1.0),  # 64-bit words, level < 2^51
 ])
 def test_nearest_rounding_equals_the_reference(clip, scale, max_weight, weight, dtype, spread):
