@@ -13,10 +13,12 @@ costs one AES pass and one in-cache add, with no full-size temporaries.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
@@ -35,8 +37,10 @@ def prg_key(seed: bytes) -> bytes:
     return hkdf(seed, b"fedring-secagg/prg/aes128-ctr", 16)
 
 
-def _stream(seed: bytes) -> CipherContext:
-    return Cipher(algorithms.AES(prg_key(seed)), modes.CTR(_ZERO_IV)).encryptor()
+def _stream(key: bytes, block: int = 0) -> CipherContext:
+    """The keystream of AES-128 ``key`` from 16-byte block ``block`` on (CTR can seek)."""
+    iv = block.to_bytes(_AES_BLOCK, "big") if block else _ZERO_IV
+    return Cipher(algorithms.AES(key), modes.CTR(iv)).encryptor()
 
 
 def expand(seed: bytes, dim: int, bits: int) -> np.ndarray:
@@ -55,21 +59,25 @@ class _Masker:
     """
 
     def __init__(
-        self, vectors: Sequence[np.ndarray], masks: Sequence[tuple[bytes, int]], bits: int
+        self, vectors: Sequence[np.ndarray], keys: Sequence[tuple[bytes, int]], bits: int,
+        start: int = 0,
     ) -> None:
+        """``keys``: (AES key, sign) per mask; chunks start at word ``start`` (a multiple of
+        the words in an AES block)."""
         self.dtype = word_dtype(bits)
         self.step = CHUNK_BYTES // self.dtype.itemsize
         self.vectors = vectors
-        self.streams = [(_stream(seed), sign >= 0) for seed, sign in masks]
+        block = start * self.dtype.itemsize // _AES_BLOCK
+        self.streams = [(_stream(key, block), sign >= 0) for key, sign in keys]
         self.low = None if bits == 8 * self.dtype.itemsize else self.dtype.type((1 << bits) - 1)
         scratch = _scratch()
         self._keystream = scratch[0]
         self._mask = np.frombuffer(scratch[0], dtype=self.dtype, count=self.step)
         self._work = np.frombuffer(scratch[1], dtype=self.dtype, count=self.step)
 
-    def spans(self, dim: int) -> Iterator[tuple[int, int]]:
-        for start in range(0, dim, self.step):
-            yield start, min(dim, start + self.step)
+    def spans(self, lo: int, hi: int) -> Iterator[tuple[int, int]]:
+        for start in range(lo, hi, self.step):
+            yield start, min(hi, start + self.step)
 
     def apply(self, chunk: np.ndarray, start: int, *, accumulate: bool) -> None:
         """chunk = (chunk if accumulate else 0) + vectors + masks over [start, start+len)."""
@@ -132,6 +140,7 @@ def combine(
     out: np.ndarray | None = None,
     *,
     accumulate: bool = False,
+    threads: int = 1,
 ) -> np.ndarray:
     """sum(vectors) + sum(sign * PRG(seed) for seed, sign in masks) mod 2^bits.
 
@@ -141,9 +150,13 @@ def combine(
     a view into a message buffer; it may also have narrower unsigned words that hold
     2^bits, such as uint16 for bits <= 16), else a new one. With ``accumulate`` the sum
     is added to what ``out`` holds (taken mod 2^bits), in place.
+
+    With ``threads`` > 1 and enough work, the words are cut into that many contiguous
+    spans, each computed by its own thread (AES-CTR seeks to the span's first block;
+    ``cryptography`` and numpy release the GIL), so the result is the same; the CPU
+    time those threads spend is added to :func:`worker_cpu_seconds`.
     """
-    masker = _Masker(vectors, masks, bits)
-    dtype = masker.dtype
+    dtype = word_dtype(bits)
     if out is None:
         if accumulate:
             raise ValueError("accumulate needs out")
@@ -155,9 +168,73 @@ def combine(
                                        and out.dtype.itemsize < dtype.itemsize))
     ):
         raise ValueError(f"out must be a contiguous array of {dim} {dtype} words")
-    for start, stop in masker.spans(dim):
-        masker.apply(out[start:stop], start, accumulate=accumulate)
+    keys = [(prg_key(seed), sign) for seed, sign in masks]
+    threads = min(threads, _MAX_THREADS) if dim * max(1, len(keys)) >= PARALLEL_WORDS else 1
+    spans = _thread_spans(dim, dtype, threads)
+    if len(spans) == 1:
+        _fill(vectors, keys, bits, out, 0, dim, accumulate)
+        return out
+    jobs = [_pool().submit(_timed_fill, vectors, keys, bits, out, lo, hi, accumulate)
+            for lo, hi in spans]
+    spent = sum(job.result() for job in jobs)  # raises what a thread raised
+    with _CPU_LOCK:
+        _WORKER_CPU[0] += spent
     return out
+
+
+PARALLEL_WORDS = 1 << 22  # words of masks and vectors below which one thread does it all
+
+
+def _fill(vectors: Sequence[np.ndarray], keys: Sequence[tuple[bytes, int]], bits: int,
+          out: np.ndarray, lo: int, hi: int, accumulate: bool) -> None:
+    masker = _Masker(vectors, keys, bits, start=lo)
+    for start, stop in masker.spans(lo, hi):
+        masker.apply(out[start:stop], start, accumulate=accumulate)
+
+
+def _timed_fill(*args: object) -> float:
+    started = time.thread_time()
+    _fill(*args)  # type: ignore[arg-type]
+    return time.thread_time() - started
+
+
+def _thread_spans(dim: int, dtype: np.dtype, threads: int) -> list[tuple[int, int]]:
+    """Up to ``threads`` contiguous spans of whole chunks (so each starts on an AES block)."""
+    step = CHUNK_BYTES // dtype.itemsize
+    chunks = -(-dim // step)
+    parts = max(1, min(threads, chunks))
+    bounds = [min(dim, (chunks * i // parts) * step) for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo] or [(0, dim)]
+
+
+_MAX_THREADS = 8
+_POOL: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child starts its own
+_CPU_LOCK = threading.Lock()
+_WORKER_CPU = [0.0]
+
+
+def _pool() -> ThreadPoolExecutor:
+    with _CPU_LOCK:
+        pid = os.getpid()
+        if pid not in _POOL:
+            _POOL.clear()  # an inherited pool's threads do not exist in this process
+            _POOL[pid] = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="secagg-prg")
+        return _POOL[pid]
+
+
+def worker_cpu_seconds() -> float:
+    """CPU seconds spent so far by :func:`combine`'s worker threads (all calls)."""
+    with _CPU_LOCK:
+        return _WORKER_CPU[0]
+
+
+def default_threads() -> int:
+    """Threads a server uses for its mask work: the cores this process may use, up to 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(_MAX_THREADS, cores))
 
 
 def prg_bound(dim: int, masks: int, reps: int = 3) -> float:

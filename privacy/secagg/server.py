@@ -47,7 +47,7 @@ from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.graph import regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
 from privacy.secagg.params import SecAggConfig
-from privacy.secagg.prg import combine
+from privacy.secagg.prg import combine, default_threads, worker_cpu_seconds
 from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
 from privacy.secagg.stages import REPLY_TYPE, Stage
 
@@ -121,7 +121,7 @@ class SecAggServer:
             why = "already rejected" if sender in self.rejected else "not awaited in this stage"
             self.ignored.append((sender, f"{why} ({self.stage.name})"))
             return False
-        started = time.perf_counter(), time.thread_time()
+        started = time.perf_counter(), _cpu_now()
         try:
             accepted = self._accept(sender, payload)
             if isinstance(accepted, msg.MaskedInput):
@@ -147,7 +147,7 @@ class SecAggServer:
         if self.status is not Status.RUNNING or self.stage is not Stage.MASKED_INPUT:
             raise RuntimeError(f"a masked sum belongs to stage MASKED_INPUT, not "
                                f"{self.stage.name} ({self.status.value})")
-        started = time.perf_counter(), time.thread_time()
+        started = time.perf_counter(), _cpu_now()
         cfg, who = self.config, set(senders)
         bad = {u: tuple(v) for u, v in (failed or {}).items() if v}
         try:
@@ -187,7 +187,7 @@ class SecAggServer:
             Stage.MASKED_INPUT: self._close_masked_input,
             Stage.UNMASKING: self._close_unmasking,
         }
-        started = time.perf_counter(), time.thread_time()
+        started = time.perf_counter(), _cpu_now()
         try:
             return closers[stage]()
         except Aborted as exc:
@@ -390,7 +390,8 @@ class SecAggServer:
         total = self._sum
         if total is None:  # unreachable: every survivor's vector is in the sum
             raise Aborted("no masked input to unmask")
-        self._result = combine([], masks, cfg.dim, cfg.bits, out=total, accumulate=True)
+        self._result = combine([], masks, cfg.dim, cfg.bits, out=total, accumulate=True,
+                               threads=default_threads())
         self._sum = None
         self.status = Status.COMPLETED
         self.awaiting = set()
@@ -500,7 +501,12 @@ class SecAggServer:
 
     def _clock(self, stage: Stage, started: tuple[float, float]) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started[0]
-        self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + time.thread_time() - started[1]
+        self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + _cpu_now() - started[1]
 
     def _header(self, kind: MsgType, client: int) -> Header:
         return Header(kind, self.config.run_id, self.config.round_id, client)
+
+
+def _cpu_now() -> float:
+    """This thread's CPU seconds plus those of the mask workers it waited for."""
+    return time.thread_time() + worker_cpu_seconds()

@@ -5,6 +5,7 @@ mask added in one pass, and reused buffers that are never handed out while refer
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 
 import numpy as np
@@ -13,7 +14,15 @@ import pytest
 from privacy.secagg import Stage, quantize_weighted, run_secagg_round
 from privacy.secagg.buffers import BufferPool
 from privacy.secagg.messages import MsgType, decode_masked_input, read_header
-from privacy.secagg.prg import CHUNK_BYTES, combine, expand
+from privacy.secagg.params import word_dtype
+from privacy.secagg.prg import (
+    CHUNK_BYTES,
+    PARALLEL_WORDS,
+    _thread_spans,
+    combine,
+    expand,
+    worker_cpu_seconds,
+)
 from privacy.secagg.quantize import CHUNK, max_level, quantize_weighted_into
 
 D = 3 * CHUNK + 17  # chunks, the last one partial
@@ -145,6 +154,35 @@ def test_masking_into_narrow_words_equals_the_wide_sum(bits, dtype):
     for seed, sign in masks:
         wide += sign * expand(seed, dim, bits).astype(np.int64)
     np.testing.assert_array_equal(out, (wide % (1 << bits)).astype(dtype))
+
+
+@pytest.mark.parametrize(("bits", "dtype", "accumulate"), [
+    (32, np.uint32, False), (32, np.uint32, True), (64, np.uint64, False), (12, np.uint16, True),
+])
+def test_masking_on_threads_equals_one_thread(bits, dtype, accumulate):
+    step = CHUNK_BYTES // word_dtype(bits).itemsize
+    dim = 5 * step + 1234  # spans of whole chunks, the last one partial
+    rng = np.random.default_rng(bits)
+    vectors = [rng.integers(0, 1 << min(bits, 63), dim).astype(np.uint64),
+               rng.integers(0, 1 << 16, dim).astype(np.uint16)]
+    masks = [(os.urandom(32), 1 if i % 3 else -1) for i in range(PARALLEL_WORDS // dim + 1)]
+    start = rng.integers(0, 1 << bits, dim, dtype=np.uint64).astype(dtype)
+    one, many = start.copy(), start.copy()
+    combine(vectors, masks, dim, bits, out=one, accumulate=accumulate, threads=1)
+    before = worker_cpu_seconds()
+    combine(vectors, masks, dim, bits, out=many, accumulate=accumulate, threads=3)
+    assert worker_cpu_seconds() > before  # the spans ran on the worker threads
+    np.testing.assert_array_equal(many, one)
+
+
+@pytest.mark.parametrize(("dim", "threads"), [(1, 4), (65536, 4), (5 * 65536 + 7, 3),
+                                              (2 * 65536, 8), (10**6, 2)])
+def test_thread_spans_cover_the_words_in_whole_chunks(dim, threads):
+    spans = _thread_spans(dim, np.dtype(np.uint32), threads)
+    assert spans[0][0] == 0 and spans[-1][1] == dim
+    assert all(hi == lo for (_, hi), (lo, _) in itertools.pairwise(spans))
+    assert all(lo % 65536 == 0 for lo, _ in spans)  # each starts on an AES block
+    assert len(spans) == min(threads, -(-dim // 65536))
 
 
 def test_masking_refuses_words_too_narrow_for_bits():
