@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from privacy.dp import _checks
@@ -28,14 +29,36 @@ def fwht_(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
     if n & (n - 1):
         raise ValueError(f"length must be a power of two, got {n}")
-    h = 1
-    while h < n:
-        y = x.reshape(-1, 2, h)
-        top = y[:, 0, :].copy()
-        y[:, 0, :] += y[:, 1, :]
-        np.subtract(top, y[:, 1, :], out=y[:, 1, :])
-        h *= 2
+    if x.ndim != 1 or x.dtype != np.float64 or not x.flags.c_contiguous:
+        raise ValueError(f"expected a contiguous 1-D float64 array, got {x.dtype} {x.shape}")
+    _fwht(x)
     return x
+
+
+_BLOCK = 1 << 12  # 32 KB of float64: the first levels run block by block in cache
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _fwht(x):  # types: numba infers them per call
+    """The butterflies of :func:`fwht_`, level by level (the levels below ``_BLOCK`` one
+    cache-sized block at a time); each output is the same sum of the same terms."""
+    n = x.size
+    block = min(n, _BLOCK)
+    for start in range(0, n, block):
+        h = 1
+        while h < block:
+            for i in range(start, start + block, 2 * h):
+                for j in range(i, i + h):
+                    a, b = x[j], x[j + h]
+                    x[j], x[j + h] = a + b, a - b
+            h *= 2
+    h = block
+    while h < n:
+        for i in range(0, n, 2 * h):
+            for j in range(i, i + h):
+                a, b = x[j], x[j + h]
+                x[j], x[j + h] = a + b, a - b
+        h *= 2
 
 
 class RandomizedHadamard:

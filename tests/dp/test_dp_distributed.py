@@ -26,6 +26,32 @@ def encode_round(deltas, plan, rng, seed):
     return encoded, np.sum(encoded, axis=0)
 
 
+def _butterflies(x: np.ndarray) -> np.ndarray:
+    """The textbook level-by-level transform, in numpy."""
+    h = 1
+    while h < x.size:
+        y = x.reshape(-1, 2, h)
+        top = y[:, 0, :].copy()
+        y[:, 0, :] += y[:, 1, :]
+        np.subtract(top, y[:, 1, :], out=y[:, 1, :])
+        h *= 2
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 4096, 8192, 1 << 16])
+def test_hadamard_equals_the_level_by_level_transform_bit_for_bit(n):
+    x = np.random.default_rng(n).standard_normal(n)
+    np.testing.assert_array_equal(fwht_(x.copy()), _butterflies(x.copy()))
+    np.testing.assert_allclose(fwht_(fwht_(x.copy())), n * x, rtol=1e-9, atol=1e-9)
+
+
+def test_hadamard_refuses_what_it_cannot_transform():
+    with pytest.raises(ValueError, match="power of two"):
+        fwht_(np.zeros(12))
+    with pytest.raises(ValueError, match="float64"):
+        fwht_(np.zeros(16, np.float32))
+
+
 def test_hadamard_matches_scipy_and_is_orthonormal():
     x = np.random.default_rng(0).standard_normal(64)
     np.testing.assert_allclose(fwht_(x.copy()), scipy.linalg.hadamard(64) @ x, atol=1e-12)
