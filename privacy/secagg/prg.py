@@ -154,7 +154,7 @@ def combine(
     With ``threads`` > 1 and enough work, the words are cut into that many contiguous
     spans, each computed by its own thread (AES-CTR seeks to the span's first block;
     ``cryptography`` and numpy release the GIL), so the result is the same; the CPU
-    time those threads spend is added to :func:`worker_cpu_seconds`.
+    time those threads spend is added to the caller's :func:`worker_cpu_seconds`.
     """
     dtype = word_dtype(bits)
     if out is None:
@@ -177,8 +177,7 @@ def combine(
     jobs = [_pool().submit(_timed_fill, vectors, keys, bits, out, lo, hi, accumulate)
             for lo, hi in spans]
     spent = sum(job.result() for job in jobs)  # raises what a thread raised
-    with _CPU_LOCK:
-        _WORKER_CPU[0] += spent
+    _WAITED.cpu = worker_cpu_seconds() + spent
     return out
 
 
@@ -209,12 +208,12 @@ def _thread_spans(dim: int, dtype: np.dtype, threads: int) -> list[tuple[int, in
 
 _MAX_THREADS = 8
 _POOL: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child starts its own
-_CPU_LOCK = threading.Lock()
-_WORKER_CPU = [0.0]
+_POOL_LOCK = threading.Lock()
+_WAITED = threading.local()  # per calling thread: CPU seconds of the workers it waited for
 
 
 def _pool() -> ThreadPoolExecutor:
-    with _CPU_LOCK:
+    with _POOL_LOCK:
         pid = os.getpid()
         if pid not in _POOL:
             _POOL.clear()  # an inherited pool's threads do not exist in this process
@@ -223,9 +222,8 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def worker_cpu_seconds() -> float:
-    """CPU seconds spent so far by :func:`combine`'s worker threads (all calls)."""
-    with _CPU_LOCK:
-        return _WORKER_CPU[0]
+    """CPU seconds spent so far by worker threads in this thread's calls of :func:`combine`."""
+    return getattr(_WAITED, "cpu", 0.0)
 
 
 def default_threads() -> int:
