@@ -32,6 +32,11 @@ in a ConfigRecord; the masked vector as one uint8 Array, which Flower serialises
 chunks without protobuf-encoding the payload. On the in-process engine the quantized
 input and the masked vector stay in reused buffers (``privacy.secagg.buffers``) that the
 state and the reply share instead of copying.
+
+The masks are expanded, and a large update quantized, on ``mask-threads`` threads (node
+config, an integer >= 1; default 1): a supernode that has cores to spare sets it (``flower-supernode
+--node-config "mask-threads=4"``); the in-process engine, which runs one client at a
+time, gives its nodes the machine's cores. The masked vector is the same either way.
 """
 
 from __future__ import annotations
@@ -130,18 +135,19 @@ def dropout_stage(seed: int, rnd: int, partition_id: int, dropout: float,
 
 def quantize_into(delta: np.ndarray, weight: float, *, clip_range: float, scale: float,
                   max_weight: float, rounding: str, out: np.ndarray,
-                  rng: np.random.Generator | None = None, factor: float = 1.0) -> np.ndarray:
+                  rng: np.random.Generator | None = None, factor: float = 1.0,
+                  threads: int = 1) -> np.ndarray:
     """The encoding of ``privacy.secagg.quantize_weighted``, chunk by chunk, into ``out``:
     :func:`privacy.secagg.quantize.quantize_weighted_into`.
 
     ``out`` gets d+1 words: round(scale * (weight * clip(x) + max_weight * clip_range))
     per coordinate, then round(scale * weight). ``factor`` in (0, 1] scales the clipped
     coordinates only (secure FedBuff's s(tau)): the sum then decodes to
-    sum(weight * factor * clip(x)) and sum(weight).
+    sum(weight * factor * clip(x)) and sum(weight). ``threads``: as for the masks.
     """
     return quantize_weighted_into(delta, weight, clip_range=clip_range, scale=scale,
                                   max_weight=max_weight, rounding=rounding,  # type: ignore[arg-type]
-                                  rng=rng, factor=factor, out=out)
+                                  rng=rng, factor=factor, out=out, threads=threads)
 
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -257,6 +263,15 @@ def _payload(msg: Message) -> bytes:
     return value
 
 
+def mask_threads(context: Context) -> int:
+    """The threads this node quantizes and masks with: node config ``mask-threads``, else 1."""
+    value = context.node_config.get(wire.MASK_THREADS_KEY, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"node config '{wire.MASK_THREADS_KEY}' must be an integer >= 1, "
+                         f"got {value!r}")
+    return value
+
+
 def _partition(context: Context) -> int:
     pid = context.node_config.get("partition-id")
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else int(context.node_id)
@@ -342,9 +357,11 @@ class SecureClient:
             weight = 1.0 if s[WEIGHT_BY] == "uniform" else min(examples, s[MAX_WEIGHT])
             delta = delta if dp_clip is None else clip_l2(delta, dp_clip)[0]
             quantized = _input_words(setup.dim, setup.bits)  # a reused .npy buffer
+            rng = (np.random.default_rng(_seed(seed, s[ROUND], pid))
+                   if s[ROUNDING] == "stochastic" else None)  # nearest draws nothing
             quantize_into(delta, weight, clip_range=s[CLIP], scale=s[SCALE],
                           max_weight=s[MAX_WEIGHT], rounding=s[ROUNDING], out=quantized,
-                          rng=np.random.default_rng(_seed(seed, s[ROUND], pid)), factor=factor)
+                          rng=rng, factor=factor, threads=mask_threads(context))
         reply = session.handle(payload)
         context.state[INPUT] = _input_record(quantized, context)
         self._save(context, session, s, seed, pid, drop)
@@ -363,7 +380,7 @@ class SecureClient:
         stage = REPLY_STAGE[kind]
         if isinstance(drop, int) and not isinstance(drop, bool) and 0 <= drop <= stage:
             raise InjectedDropout(f"simulated dropout at stage {Stage(drop).name.lower()}")
-        session = SecAggClient.from_state(stored["state"])
+        session = SecAggClient.from_state(stored["state"], threads=mask_threads(context))
         if kind is MsgType.FORWARDED_SHARES:
             record = context.state.get(INPUT)
             if not isinstance(record, ArrayRecord) or "input" not in record:

@@ -38,6 +38,7 @@ VERSION_KEY = "fedring.version"      # config: server model version sent
 TASK_KEY = "fedring.task"            # config: JSON of the data/model/train sections
 SEED_KEY = "fedring.seed"            # config: run seed
 IN_PROCESS_KEY = "fedring.in-process"  # node config: replies stay in this process
+MASK_THREADS_KEY = "mask-threads"    # node config: threads a secure client masks with
 BASE_VERSION_METRIC = "fedring.base-version"
 PARTITION_METRIC = "fedring.partition-id"
 NUM_EXAMPLES = "num-examples"        # Flower's weighting key

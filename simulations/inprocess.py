@@ -5,7 +5,9 @@ No SuperLink, no Ray, no polling and no serialisation: ``push_messages`` queues,
 ServerApp sees replies one by one as they are produced. Node ids are 1..N and node
 ``i`` holds partition ``i - 1``, like Flower's simulation engine's node config; the node
 config also says "fedring.in-process", so fedring's ClientApp hands its delta over in a
-reused buffer instead of fresh bytes.
+reused buffer instead of fresh bytes, and gives ``mask-threads``: the cores this process
+may use, which a secure client masks with since it runs alone (one thread each where
+nodes run at once).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.wire import IN_PROCESS_KEY
+from client.wire import IN_PROCESS_KEY, MASK_THREADS_KEY
+from privacy.secagg.workers import default_threads
 
 CLIENT_ERROR = 1  # Error code carried by replies of a ClientApp that raised
 
@@ -41,17 +44,26 @@ def _private_records(content: RecordDict) -> RecordDict:
 class InProcessGrid(Grid):
     """A Grid over ``num_nodes`` ClientApp nodes living in this process."""
 
+    #: Whether nodes work on their messages at the same time (then each masks on one thread).
+    concurrent = False
+
     def __init__(self, client_app: ClientApp, num_nodes: int, *, run_id: int = 1,
-                 run_config: dict[str, Any] | None = None) -> None:
+                 run_config: dict[str, Any] | None = None,
+                 mask_threads: int | None = None) -> None:
+        """``mask_threads``: the nodes' ``mask-threads`` (default: 1 if nodes run at once,
+        else the cores this process may use)."""
         if num_nodes < 1:
             raise ValueError(f"the in-process engine needs at least one node, got {num_nodes}")
         self._client_app = client_app
         self._run = Run.create_empty(run_id)
+        if mask_threads is None:
+            mask_threads = 1 if self.concurrent else default_threads()
         self._contexts = {
             node_id: Context(run_id=run_id, node_id=node_id,
                              node_config={"partition-id": node_id - 1,
                                           "num-partitions": num_nodes,
-                                          IN_PROCESS_KEY: True},
+                                          IN_PROCESS_KEY: True,
+                                          MASK_THREADS_KEY: mask_threads},
                              state=RecordDict(), run_config=dict(run_config or {}))
             for node_id in range(1, num_nodes + 1)
         }

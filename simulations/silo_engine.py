@@ -24,6 +24,8 @@ from simulations.inprocess import InProcessGrid
 class ConcurrentGrid(InProcessGrid):
     """In-process nodes that work on their messages at the same time, one thread each."""
 
+    concurrent = True
+
     def __init__(self, client_app: ClientApp, num_nodes: int, **kwargs: Any) -> None:
         super().__init__(client_app, num_nodes, **kwargs)
         self._node_locks = {node: threading.Lock() for node in self._contexts}

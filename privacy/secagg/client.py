@@ -52,12 +52,16 @@ class SecAggClient:
     ``run_id`` / ``round_id``, when given, must match the SETUP message, so a setup
     replayed from another round is refused; all later messages must match it too.
     ``stage`` is the stage of the last message this client sent (SETUP: none yet).
+    ``threads``: how many threads expand the masks (a local resource, not kept in the
+    state; the masked vector is the same whatever it is).
     """
 
     def __init__(
-        self, client_id: int, *, run_id: int | None = None, round_id: int | None = None
+        self, client_id: int, *, run_id: int | None = None, round_id: int | None = None,
+        threads: int = 1,
     ) -> None:
         self.client_id = client_id
+        self.threads = threads
         self.expected_run_id = run_id
         self.expected_round_id = round_id
         self.stage = Stage.SETUP
@@ -157,7 +161,8 @@ class SecAggClient:
         reply = POOL.take(len(head) + cfg.dim * word.itemsize)  # reused, not zeroed
         reply[: len(head)] = head
         body = np.frombuffer(reply, word, count=cfg.dim, offset=len(head))
-        combine([x], masks, cfg.dim, cfg.bits, out=body)  # narrows to the wire word if need be
+        combine([x], masks, cfg.dim, cfg.bits, out=body,  # narrows to the wire word if need be
+                threads=self.threads)
         self._held = held
         self._peers, self._b_seed = {}, b""
         self._input = None
@@ -323,12 +328,15 @@ class SecAggClient:
         return b"".join(parts)
 
     @classmethod
-    def from_state(cls, data: bytes) -> SecAggClient:
-        """Rebuild a client from :meth:`export_state`; ProtocolError if malformed."""
+    def from_state(cls, data: bytes, *, threads: int = 1) -> SecAggClient:
+        """Rebuild a client from :meth:`export_state` (``threads``: as in the constructor);
+        ProtocolError if malformed."""
         try:
-            return cls._from_state(bytes(data))
+            client = cls._from_state(bytes(data))
         except (struct.error, ValueError, KeyError, IndexError) as exc:
             raise ProtocolError(f"malformed client state: {exc}") from None
+        client.threads = threads
+        return client
 
     @classmethod
     def _from_state(cls, data: bytes) -> SecAggClient:

@@ -13,16 +13,16 @@ costs one AES pass and one in-cache add, with no full-size temporaries.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 
+from privacy.secagg import workers
 from privacy.secagg.keys import hkdf
 from privacy.secagg.params import word_dtype
 
@@ -154,7 +154,8 @@ def combine(
     With ``threads`` > 1 and enough work, the words are cut into that many contiguous
     spans, each computed by its own thread (AES-CTR seeks to the span's first block;
     ``cryptography`` and numpy release the GIL), so the result is the same; the CPU
-    time those threads spend is added to the caller's :func:`worker_cpu_seconds`.
+    time those threads spend is added to the caller's
+    :func:`privacy.secagg.workers.worker_cpu_seconds`.
     """
     dtype = word_dtype(bits)
     if out is None:
@@ -169,19 +170,15 @@ def combine(
     ):
         raise ValueError(f"out must be a contiguous array of {dim} {dtype} words")
     keys = [(prg_key(seed), sign) for seed, sign in masks]
-    threads = min(threads, _MAX_THREADS) if dim * max(1, len(keys)) >= PARALLEL_WORDS else 1
-    spans = _thread_spans(dim, dtype, threads)
-    if len(spans) == 1:
-        _fill(vectors, keys, bits, out, 0, dim, accumulate)
-        return out
-    jobs = [_pool().submit(_timed_fill, vectors, keys, bits, out, lo, hi, accumulate)
-            for lo, hi in spans]
-    spent = sum(job.result() for job in jobs)  # raises what a thread raised
-    _WAITED.cpu = worker_cpu_seconds() + spent
+    if dim * max(1, len(keys)) < PARALLEL_WORDS:
+        threads = 1
+    step = CHUNK_BYTES // dtype.itemsize
+    workers.run([functools.partial(_fill, vectors, keys, bits, out, lo, hi, accumulate)
+                 for lo, hi in workers.spans(dim, step, threads)])
     return out
 
 
-PARALLEL_WORDS = 1 << 22  # words of masks and vectors below which one thread does it all
+PARALLEL_WORDS = 1 << 21  # words of masks below which one thread does it all
 
 
 def _fill(vectors: Sequence[np.ndarray], keys: Sequence[tuple[bytes, int]], bits: int,
@@ -189,50 +186,6 @@ def _fill(vectors: Sequence[np.ndarray], keys: Sequence[tuple[bytes, int]], bits
     masker = _Masker(vectors, keys, bits, start=lo)
     for start, stop in masker.spans(lo, hi):
         masker.apply(out[start:stop], start, accumulate=accumulate)
-
-
-def _timed_fill(*args: object) -> float:
-    started = time.thread_time()
-    _fill(*args)  # type: ignore[arg-type]
-    return time.thread_time() - started
-
-
-def _thread_spans(dim: int, dtype: np.dtype, threads: int) -> list[tuple[int, int]]:
-    """Up to ``threads`` contiguous spans of whole chunks (so each starts on an AES block)."""
-    step = CHUNK_BYTES // dtype.itemsize
-    chunks = -(-dim // step)
-    parts = max(1, min(threads, chunks))
-    bounds = [min(dim, (chunks * i // parts) * step) for i in range(parts + 1)]
-    return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo] or [(0, dim)]
-
-
-_MAX_THREADS = 8
-_POOL: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child starts its own
-_POOL_LOCK = threading.Lock()
-_WAITED = threading.local()  # per calling thread: CPU seconds of the workers it waited for
-
-
-def _pool() -> ThreadPoolExecutor:
-    with _POOL_LOCK:
-        pid = os.getpid()
-        if pid not in _POOL:
-            _POOL.clear()  # an inherited pool's threads do not exist in this process
-            _POOL[pid] = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="secagg-prg")
-        return _POOL[pid]
-
-
-def worker_cpu_seconds() -> float:
-    """CPU seconds spent so far by worker threads in this thread's calls of :func:`combine`."""
-    return getattr(_WAITED, "cpu", 0.0)
-
-
-def default_threads() -> int:
-    """Threads a server uses for its mask work: the cores this process may use, up to 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, cores))
 
 
 def prg_bound(dim: int, masks: int, reps: int = 3) -> float:

@@ -21,13 +21,15 @@ with w = W = 1 and no extra coordinate.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Literal
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from privacy.secagg import workers
 from privacy.secagg.encode_kernel import encode
 from privacy.secagg.params import MAX_BITS, word_dtype
 
@@ -144,6 +146,7 @@ def quantize_weighted_into(
     rng: np.random.Generator | None = None,
     factor: float = 1.0,
     out: np.ndarray,
+    threads: int = 1,
 ) -> np.ndarray:
     """:func:`quantize_weighted`'s encoding of ``update``, written into ``out`` (d+1 words).
 
@@ -157,6 +160,9 @@ def quantize_weighted_into(
     One compiled pass (:func:`privacy.secagg.encode_kernel.encode`) computes
     v = a * clip(x) + b in float64, rounds, clamps and stores each word, and finds any
     NaN or infinity on the way; stochastic noise is generated chunk by chunk beside it.
+    With ``threads`` > 1 and at least :data:`PARALLEL_COORDS` coordinates, contiguous
+    spans of whole chunks are encoded on worker threads (each noise stream started at
+    its span's block), with the same result.
     """
     x = np.asarray(update).reshape(-1)
     d = x.size
@@ -172,8 +178,9 @@ def quantize_weighted_into(
     level = max_level(clip_range, scale, max_weight)
     if level >> (8 * out.dtype.itemsize):
         raise ValueError(f"{out.dtype} words cannot hold level {level}")
-    rng = rng if rng is not None else np.random.default_rng()
     stochastic = rounding == "stochastic"
+    if stochastic and rng is None:
+        rng = np.random.default_rng()
     if d:
         if x.dtype not in (np.float32, np.float64):
             x = x.astype(np.float64)
@@ -182,29 +189,41 @@ def quantize_weighted_into(
         if int(top) > level:  # rounded up (levels above 2^53): stay within the words
             top = math.nextafter(top, 0.0)
         args = (float(a), float(b), float(clip_range), top)
-        if stochastic:
-            finite = _encode_stochastic(x, out[:d], args, _stream_from(rng))
-        else:
-            finite = encode(x, _NO_NOISE, out[:d], *args)
+        # AES key of the rounding noise (not a secret): 16 bytes of rng
+        noise_key = rng.bytes(16) if rng is not None and stochastic else b""
+        parts = workers.spans(d, CHUNK, threads if d >= PARALLEL_COORDS else 1)
+        finite = all(workers.run([functools.partial(_encode_span, x, out, args, noise_key, lo, hi)
+                                  for lo, hi in parts]))
         if not finite:
             raise ValueError("update has non-finite values")
-    w = weight * scale + (rng.random() if stochastic else 0.5)
+    w = weight * scale + (rng.random() if rng is not None and stochastic else 0.5)
     out[d] = min(level, int(w))
     return out
 
 
-def _encode_stochastic(x: np.ndarray, out: np.ndarray, args: tuple[float, ...],
-                       noise: CipherContext) -> bool:
-    """:func:`encode` chunk by chunk, each with its own slice of the noise keystream."""
+PARALLEL_COORDS = 1 << 18  # coordinates below which one thread encodes them all
+
+
+def _encode_span(x: np.ndarray, out: np.ndarray, args: tuple[float, ...], noise_key: bytes,
+                 lo: int, hi: int) -> bool:
+    """Encode coordinates [lo, hi) (``lo`` a multiple of CHUNK); False if one is not finite.
+
+    To nearest in one call; stochastically chunk by chunk, each chunk with its own slice
+    of the noise keystream of ``noise_key``, which starts at coordinate ``lo``'s block.
+    """
+    if not noise_key:
+        return bool(encode(x[lo:hi], _NO_NOISE, out[lo:hi], *args))
+    noise = Cipher(algorithms.AES(noise_key), modes.CTR((4 * lo // 16).to_bytes(16, "big"))
+                   ).encryptor()
     buf = _scratch()
     words = np.frombuffer(buf, np.uint32, count=CHUNK)
     finite = True
-    for start in range(0, x.size, CHUNK):
-        stop = min(x.size, start + CHUNK)
+    for start in range(lo, hi, CHUNK):
+        stop = min(hi, start + CHUNK)
         n = stop - start
         noise.update_into(_ZERO_BYTES[: 4 * n], buf)
         finite &= encode(x[start:stop], words[:n], out[start:stop], *args)
-    return finite
+    return bool(finite)
 
 
 _NO_NOISE = np.empty(0, np.uint32)
@@ -219,11 +238,6 @@ def _scratch() -> bytearray:
     if scratch is None:
         scratch = _LOCAL.scratch = bytearray(4 * CHUNK + 15)
     return scratch
-
-
-def _stream_from(rng: np.random.Generator) -> CipherContext:
-    """An AES-128-CTR keystream keyed by 16 bytes of ``rng`` (rounding noise, not a secret)."""
-    return Cipher(algorithms.AES(rng.bytes(16)), modes.CTR(bytes(16))).encryptor()
 
 
 def dequantize_weighted(

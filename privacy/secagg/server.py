@@ -47,9 +47,10 @@ from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.graph import regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
 from privacy.secagg.params import SecAggConfig
-from privacy.secagg.prg import combine, default_threads, worker_cpu_seconds
+from privacy.secagg.prg import combine
 from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
 from privacy.secagg.stages import REPLY_TYPE, Stage
+from privacy.secagg.workers import default_threads, worker_cpu_seconds
 
 
 class Status(Enum):

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from privacy.secagg.workers import default_threads
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -79,9 +81,11 @@ def test_secagg_quick() -> None:
     assert [(r["N"], r["d"]) for r in result["results"]] == [(4, 1000), (6, 10_000)]
     for row in result["results"]:
         assert positive(row["plain"]["round_s"]) and "flower_shares3" not in row
-        for name in ("fedring_auto", "fedring_k3", "fedring_full"):
+        for name in ("fedring_auto", "fedring_k3", "fedring_full", "fedring_auto_1t",
+                     "fedring_k3_1t", "fedring_full_1t"):
             got = row[name]
             assert 1 <= got["t"] <= got["k"] <= row["N"] - 1, name
+            assert got["mask_threads"] == (1 if name.endswith("_1t") else default_threads())
             for key in ("round_s", "client_cpu_s", "prg_bound_s"):
                 assert positive(got[key]), (name, key, got[key])
         assert row["fedring_full"]["k"] == row["N"] - 1

@@ -15,15 +15,15 @@ from privacy.secagg import Stage, quantize_weighted, run_secagg_round
 from privacy.secagg.buffers import BufferPool
 from privacy.secagg.messages import MsgType, decode_masked_input, read_header
 from privacy.secagg.params import word_dtype
-from privacy.secagg.prg import (
-    CHUNK_BYTES,
-    PARALLEL_WORDS,
-    _thread_spans,
-    combine,
-    expand,
-    worker_cpu_seconds,
+from privacy.secagg.prg import CHUNK_BYTES, PARALLEL_WORDS, combine, expand
+from privacy.secagg.quantize import (
+    CHUNK,
+    PARALLEL_COORDS,
+    max_level,
+    quantize_weighted_into,
 )
-from privacy.secagg.quantize import CHUNK, max_level, quantize_weighted_into
+from privacy.secagg.workers import spans as work_spans
+from privacy.secagg.workers import worker_cpu_seconds
 
 D = 3 * CHUNK + 17  # chunks, the last one partial
 
@@ -52,6 +52,29 @@ def test_nearest_rounding_equals_the_reference(clip, scale, max_weight, weight, 
     np.testing.assert_array_equal(out.astype(np.uint64), ref.astype(np.uint64))
     assert int(out.max()) <= max_level(clip, scale, max_weight)
 
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantizing_on_threads_equals_one_thread(rounding):
+    d = PARALLEL_COORDS + 3 * CHUNK + 17  # spans of whole chunks, the last one partial
+    x = (np.random.default_rng(5).standard_normal(d) * 0.5).astype(np.float32)
+    kw = {"clip_range": 1.0, "scale": 2.0**20, "max_weight": 50.0, "rounding": rounding}
+    one, many = np.empty(d + 1, np.uint32), np.empty(d + 1, np.uint32)
+    quantize_weighted_into(x, 37.0, rng=np.random.default_rng(9), out=one, threads=1, **kw)
+    before = worker_cpu_seconds()
+    quantize_weighted_into(x, 37.0, rng=np.random.default_rng(9), out=many, threads=3, **kw)
+    assert worker_cpu_seconds() > before  # the spans ran on the worker threads
+    np.testing.assert_array_equal(many, one)  # stochastic: each span's noise stream seeked
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_quantizing_on_threads_finds_a_non_finite_value_in_any_span(bad):
+    d = PARALLEL_COORDS + CHUNK
+    x = np.zeros(d, np.float32)
+    x[-1] = bad  # in the last span only
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_weighted_into(x, 1.0, clip_range=1.0, scale=2.0**20, rounding="nearest",
+                               out=np.empty(d + 1, np.uint32), threads=4)
 
 def test_levels_beyond_2_pow_51_take_the_conversion_path():
     x = _update(2, 0.5)
@@ -178,7 +201,7 @@ def test_masking_on_threads_equals_one_thread(bits, dtype, accumulate):
 @pytest.mark.parametrize(("dim", "threads"), [(1, 4), (65536, 4), (5 * 65536 + 7, 3),
                                               (2 * 65536, 8), (10**6, 2)])
 def test_thread_spans_cover_the_words_in_whole_chunks(dim, threads):
-    spans = _thread_spans(dim, np.dtype(np.uint32), threads)
+    spans = work_spans(dim, CHUNK_BYTES // 4, threads)
     assert spans[0][0] == 0 and spans[-1][1] == dim
     assert all(hi == lo for (_, hi), (lo, _) in itertools.pairwise(spans))
     assert all(lo % 65536 == 0 for lo, _ in spans)  # each starts on an AES block
