@@ -33,10 +33,11 @@ chunks without protobuf-encoding the payload. On the in-process engine the quant
 input and the masked vector stay in reused buffers (``privacy.secagg.buffers``) that the
 state and the reply share instead of copying.
 
-The masks are expanded, and a large update quantized, on ``mask-threads`` threads (node
-config, an integer >= 1; default 1): a supernode that has cores to spare sets it (``flower-supernode
---node-config "mask-threads=4"``); the in-process engine, which runs one client at a
-time, gives its nodes the machine's cores. The masked vector is the same either way.
+A large update is quantized, and its masks expanded, on ``mask-threads`` threads (node
+config, an integer >= 1; default 1). A SuperNode with cores to spare sets it
+(``flower-supernode --node-config "mask-threads=4"``); the in-process engine, which runs
+one client at a time, gives its nodes the machine's cores. The masked vector is the same
+either way.
 """
 
 from __future__ import annotations
