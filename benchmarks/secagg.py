@@ -72,7 +72,7 @@ from client.secure_client import register_secagg
 from privacy.secagg.messages import read_header
 from privacy.secagg.prg import prg_bound
 from privacy.secagg.stages import MsgType
-from privacy.secagg.workers import default_threads, worker_cpu_seconds
+from privacy.secagg.workers import cpu_seconds, default_threads
 from server.secagg_config import SecAggScenarioConfig
 from server.secure_round import secure_round
 from simulations.inprocess import InProcessGrid
@@ -95,14 +95,9 @@ def make_inputs(n: int, d: int, seed: int = 0) -> dict[int, tuple[np.ndarray, in
                    int(rng.integers(20, 200))) for node in range(1, n + 1)}
 
 
-def _cpu() -> float:
-    """This thread's CPU time plus that of the mask-expansion threads it waited for."""
-    return time.thread_time() + worker_cpu_seconds()
-
-
 class Timed:
-    """Wraps a ClientApp: CPU time (:func:`_cpu`) and wall time per node, summed over
-    messages."""
+    """Wraps a ClientApp: CPU time (``workers.cpu_seconds``: with the worker threads it
+    waited for) and wall time per node, summed over messages."""
 
     def __init__(self, app: Callable[[Message, Context], Message],
                  vanish: Callable[[Message, Context], bool] | None = None) -> None:
@@ -113,11 +108,11 @@ class Timed:
     def __call__(self, msg: Message, context: Context) -> Message:
         if self.vanish is not None and self.vanish(msg, context):
             raise ConnectionError("vanished")
-        cpu, wall = _cpu(), time.perf_counter()
+        cpu, wall = cpu_seconds(), time.perf_counter()
         try:
             return self.app(msg, context)
         finally:
-            self.cpu[int(context.node_id)] += _cpu() - cpu
+            self.cpu[int(context.node_id)] += cpu_seconds() - cpu
             self.wall += time.perf_counter() - wall
 
     def reset(self) -> None:
@@ -284,7 +279,6 @@ def median_client_cpu(timed: Timed) -> float:
 # masking on the machine's cores (the in-process engine's default) and on one thread ("_1t")
 GRAPHS = {"auto": "auto", "k3": 3, "full": "full"}
 VARIANTS = (*GRAPHS, *(f"{g}_1t" for g in GRAPHS))
-
 
 
 def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,

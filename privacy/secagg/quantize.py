@@ -178,9 +178,9 @@ def quantize_weighted_into(
     level = max_level(clip_range, scale, max_weight)
     if level >> (8 * out.dtype.itemsize):
         raise ValueError(f"{out.dtype} words cannot hold level {level}")
-    stochastic = rounding == "stochastic"
-    if stochastic and rng is None:
-        rng = np.random.default_rng()
+    # the rounding noise's generator; rounding to nearest draws nothing
+    gen = (rng if rng is not None else np.random.default_rng()) if rounding == "stochastic" \
+        else None
     if d:
         if x.dtype not in (np.float32, np.float64):
             x = x.astype(np.float64)
@@ -189,14 +189,13 @@ def quantize_weighted_into(
         if int(top) > level:  # rounded up (levels above 2^53): stay within the words
             top = math.nextafter(top, 0.0)
         args = (float(a), float(b), float(clip_range), top)
-        # AES key of the rounding noise (not a secret): 16 bytes of rng
-        noise_key = rng.bytes(16) if rng is not None and stochastic else b""
+        noise_key = gen.bytes(16) if gen is not None else b""  # AES key, not a secret
         parts = workers.spans(d, CHUNK, threads if d >= PARALLEL_COORDS else 1)
         finite = all(workers.run([functools.partial(_encode_span, x, out, args, noise_key, lo, hi)
                                   for lo, hi in parts]))
         if not finite:
             raise ValueError("update has non-finite values")
-    w = weight * scale + (rng.random() if rng is not None and stochastic else 0.5)
+    w = weight * scale + (gen.random() if gen is not None else 0.5)
     out[d] = min(level, int(w))
     return out
 

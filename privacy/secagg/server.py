@@ -50,7 +50,7 @@ from privacy.secagg.params import SecAggConfig
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
 from privacy.secagg.stages import REPLY_TYPE, Stage
-from privacy.secagg.workers import default_threads, worker_cpu_seconds
+from privacy.secagg.workers import cpu_seconds, default_threads
 
 
 class Status(Enum):
@@ -122,7 +122,7 @@ class SecAggServer:
             why = "already rejected" if sender in self.rejected else "not awaited in this stage"
             self.ignored.append((sender, f"{why} ({self.stage.name})"))
             return False
-        started = time.perf_counter(), _cpu_now()
+        started = time.perf_counter(), cpu_seconds()
         try:
             accepted = self._accept(sender, payload)
             if isinstance(accepted, msg.MaskedInput):
@@ -148,7 +148,7 @@ class SecAggServer:
         if self.status is not Status.RUNNING or self.stage is not Stage.MASKED_INPUT:
             raise RuntimeError(f"a masked sum belongs to stage MASKED_INPUT, not "
                                f"{self.stage.name} ({self.status.value})")
-        started = time.perf_counter(), _cpu_now()
+        started = time.perf_counter(), cpu_seconds()
         cfg, who = self.config, set(senders)
         bad = {u: tuple(v) for u, v in (failed or {}).items() if v}
         try:
@@ -188,7 +188,7 @@ class SecAggServer:
             Stage.MASKED_INPUT: self._close_masked_input,
             Stage.UNMASKING: self._close_unmasking,
         }
-        started = time.perf_counter(), _cpu_now()
+        started = time.perf_counter(), cpu_seconds()
         try:
             return closers[stage]()
         except Aborted as exc:
@@ -502,12 +502,7 @@ class SecAggServer:
 
     def _clock(self, stage: Stage, started: tuple[float, float]) -> None:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started[0]
-        self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + _cpu_now() - started[1]
+        self.cpu_seconds[stage] = self.cpu_seconds.get(stage, 0.0) + cpu_seconds() - started[1]
 
     def _header(self, kind: MsgType, client: int) -> Header:
         return Header(kind, self.config.run_id, self.config.round_id, client)
-
-
-def _cpu_now() -> float:
-    """This thread's CPU seconds plus those of the mask workers it waited for."""
-    return time.thread_time() + worker_cpu_seconds()

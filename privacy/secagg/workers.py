@@ -63,6 +63,12 @@ def worker_cpu_seconds() -> float:
     return getattr(_WAITED, "cpu", 0.0)
 
 
+def cpu_seconds() -> float:
+    """This thread's CPU seconds plus those of the workers it waited for: a clock that
+    counts the work :func:`run` delegated."""
+    return time.thread_time() + worker_cpu_seconds()
+
+
 def _timed(job: Callable[[], T]) -> tuple[T, float]:
     started = time.thread_time()
     result = job()
