@@ -30,6 +30,13 @@ def _step_name(t: int, n: int) -> str:
     return f"all-gather step {t - n + 2}/{n - 1}"
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat tensors share any memory."""
+    a_end = a.data_ptr() + a.numel() * a.element_size()
+    b_end = b.data_ptr() + b.numel() * b.element_size()
+    return a.data_ptr() < b_end and b.data_ptr() < a_end
+
+
 def ring_stepwise(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: bool,
                   segment: int | None, window: int) -> None:
     """Ring allreduce of flat ``src`` into flat ``out``, one step at a time."""
@@ -60,7 +67,9 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
     taken meanwhile (waiting for it could deadlock the ring). The last step writes
     ``out = src + buf``. An all-gather receive lands in ``out``
     directly, so it is posted only once a send that read the same place (step 0,
-    when ``src`` is ``out``) has completed.
+    when ``src`` is ``out``) has completed; those sends are waited for as soon as
+    the matching step-0 receives are consumed. The first receives are posted before
+    the first sends, as gloo's own ring does, so a peer's data can flow at once.
     """
     n, r = ch.size, ch.rank
     steps = 2 * (n - 1)
@@ -69,6 +78,7 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
     # Receive stream: step t brings chunk (r - t - 1) mod n, segment by segment.
     items = [(t, j) for t in range(steps) for j in range(len(segs[(r - t - 1) % n]))]
     scratch = Scratch(src)
+    in_place = _overlap(src, out)
     sends: dict[tuple[int, int], Pending] = {}  # sends that read src or out
     busy: dict[int, Pending | None] = {}  # receive buffers in use: pending send or None
 
@@ -108,8 +118,9 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
             busy[slot] = None
             buf = scratch.get(slot, hi - lo)
         else:
-            # Of the reduce-scatter sends of this region only step 0's read src (maybe out).
-            earlier = sends.get((t - n + 1, j))
+            # Of the reduce-scatter sends of this region only step 0's read src, which
+            # matters only when src is out.
+            earlier = sends.get((t - n + 1, j)) if in_place else None
             if earlier is not None:
                 if not block and not ch.done(earlier):
                     return False
@@ -128,9 +139,11 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
         while posted < min(limit, len(items)) and post_recv(posted, block=False):
             posted += 1
 
+    prefetch(min(window, len(segs[(r - 1) % n])))
     for j in range(len(segs[r])):
         post_send(0, j)
     prefetch(window)
+    last_of_step0 = len(segs[(r - 1) % n]) - 1
     for k, (t, j) in enumerate(items):
         if posted == k:
             post_recv(k, block=True)
@@ -148,6 +161,15 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
                 del busy[slot]
             if t + 1 < steps:
                 post_send(t + 1, j)
+        if in_place and t == 0:
+            # Let the in-place all-gather receives be posted ahead (gloo's works report
+            # completion only once waited): wait for the step-0 sends up to this
+            # segment, all of them after the last. The right neighbour posts the
+            # receive for send i once it has consumed receive i - window, so this
+            # wait cannot close a cycle.
+            done = [key for key in sends if key[0] == 0 and (key[1] <= j or j == last_of_step0)]
+            for key in done:
+                ch.wait(sends.pop(key))
         prefetch(k + 1 + window)
     for pending in [*sends.values(), *busy.values()]:
         if pending is not None:

@@ -141,9 +141,10 @@ def sweep(rank: int, n: int) -> dict[str, object]:
                 if dtype == torch.float32:
                     results[f"{key}/in-place"] = run(f"{key}/in-place", _in_place, alg, x)
                     if length <= VARIANT_LENGTH:
-                        results[f"{key}/in-place/segments=4KiB"] = run(
-                            f"{key}/in-place/segments=4KiB", _in_place, alg, x,
-                            segment_bytes=4096, window=3)
+                        for window in (1, 3):
+                            ikey = f"{key}/in-place/segments=4KiB/window={window}"
+                            results[ikey] = run(ikey, _in_place, alg, x,
+                                                segment_bytes=4096, window=window)
                 for k, result in results.items():
                     if result is None:
                         continue
