@@ -60,16 +60,22 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
                    segment: int, window: int) -> None:
     """Ring allreduce of flat ``src`` into flat ``out`` with segments pipelined across steps.
 
-    Up to ``window`` segment receives are posted ahead. A reduced segment is sent
-    on at once. Before the last reduce-scatter step a segment is reduced in its
-    receive buffer (``buf += src``, in cache and without touching ``out``) and sent
-    from there; that buffer is reused once the send has completed, and a new one is
-    taken meanwhile (waiting for it could deadlock the ring). The last step writes
-    ``out = src + buf``. An all-gather receive lands in ``out``
-    directly, so it is posted only once a send that read the same place (step 0,
-    when ``src`` is ``out``) has completed; those sends are waited for as soon as
-    the matching step-0 receives are consumed. The first receives are posted before
-    the first sends, as gloo's own ring does, so a peer's data can flow at once.
+    Receives are posted ahead: up to ``window`` reduce-scatter segments (each needs
+    a scratch buffer, a "slot") and every all-gather segment (they land in ``out``)
+    as soon as the receives before them are posted; the first ones before the first
+    sends, as gloo's own ring does, so a peer's data can flow at once. A reduced
+    segment is sent on at once. Before the last reduce-scatter step a segment is
+    reduced in its slot (``buf += src``, in cache and without touching ``out``) and
+    sent from there; the last step writes ``out = src + buf``.
+
+    Waiting for a send can close a cycle around the ring, so a send is waited for
+    only once this rank has consumed the item its right neighbour receives it as
+    (the neighbour posts that receive before consuming it, so the wait depends on a
+    rank that is no further along). gloo's works report completion only once waited
+    on, so these waits are what frees things: a slot whose send is old enough is
+    reused when no other is free (scratch stays about one chunk plus ``window``
+    segments), and the step-0 sends, which read ``src``, are waited for as their
+    receives are consumed, so that in-place all-gather receives can land in ``out``.
     """
     n, r = ch.size, ch.rank
     steps = 2 * (n - 1)
@@ -80,18 +86,27 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
     scratch = Scratch(src)
     in_place = _overlap(src, out)
     sends: dict[tuple[int, int], Pending] = {}  # sends that read src or out
-    busy: dict[int, Pending | None] = {}  # receive buffers in use: pending send or None
+    slot_sends: dict[int, tuple[tuple[int, int], Pending]] = {}  # slot -> (item, send)
+    free_slots: list[int] = []
+    slots_made = 0
+    consumed = (-1, -1)  # the last item consumed
 
-    def free_slot() -> int:
-        """A receive buffer with no receive and no send in flight; never blocks."""
-        for slot in range(len(busy) + 1):
-            if slot not in busy:
+    def take_slot() -> int:
+        """A slot with no receive and no send in flight; waits only for a safe send."""
+        nonlocal slots_made
+        for slot, (_, pending) in list(slot_sends.items()):
+            if ch.done(pending):
+                ch.wait(slot_sends.pop(slot)[1])
+                free_slots.append(slot)
+        if not free_slots:
+            old = [(item, slot) for slot, (item, _) in slot_sends.items() if item <= consumed]
+            if old:
+                slot = min(old)[1]
+                ch.wait(slot_sends.pop(slot)[1])
                 return slot
-            pending = busy[slot]
-            if pending is not None and ch.done(pending):
-                ch.wait(busy.pop(slot))
-                return slot
-        raise AssertionError("unreachable")
+            slots_made += 1
+            return slots_made - 1
+        return free_slots.pop()
 
     inflight: deque[tuple[Pending, torch.Tensor, int]] = deque()
 
@@ -102,7 +117,7 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
         chunk = (r - t) % n
         lo, hi = segs[chunk][j]
         if data is not None:
-            busy[slot] = ch.post(label(t, j, chunk), sends=[(data, right)])
+            slot_sends[slot] = ((t, j), ch.post(label(t, j, chunk), sends=[(data, right)]))
             return
         data = (src if t == 0 else out)[lo:hi]
         sends[(t, j)] = ch.post(label(t, j, chunk), sends=[(data, right)])
@@ -114,8 +129,7 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
         lo, hi = segs[chunk][j]
         slot = -1
         if t < n - 1:
-            slot = free_slot()
-            busy[slot] = None
+            slot = take_slot()
             buf = scratch.get(slot, hi - lo)
         else:
             # Of the reduce-scatter sends of this region only step 0's read src, which
@@ -136,20 +150,21 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
 
     def prefetch(limit: int) -> None:
         nonlocal posted
-        while posted < min(limit, len(items)) and post_recv(posted, block=False):
+        while (posted < len(items) and (posted < limit or items[posted][0] >= n - 1)
+               and post_recv(posted, block=False)):
             posted += 1
 
     prefetch(min(window, len(segs[(r - 1) % n])))
     for j in range(len(segs[r])):
         post_send(0, j)
     prefetch(window)
-    last_of_step0 = len(segs[(r - 1) % n]) - 1
     for k, (t, j) in enumerate(items):
         if posted == k:
             post_recv(k, block=True)
             posted += 1
         pending, buf, slot = inflight.popleft()
         ch.wait(pending)
+        consumed = (t, j)
         lo, hi = segs[(r - t - 1) % n][j]
         if t < n - 2:
             post_send(t + 1, j, buf.add_(src[lo:hi]), slot)
@@ -158,19 +173,12 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
                 torch.add(src[lo:hi], buf, out=out[lo:hi])
                 if mean:
                     out[lo:hi].div_(n)
-                del busy[slot]
+                free_slots.append(slot)
             if t + 1 < steps:
                 post_send(t + 1, j)
         if in_place and t == 0:
-            # Let the in-place all-gather receives be posted ahead (gloo's works report
-            # completion only once waited): wait for the step-0 sends up to this
-            # segment, all of them after the last. The right neighbour posts the
-            # receive for send i once it has consumed receive i - window, so this
-            # wait cannot close a cycle.
-            done = [key for key in sends if key[0] == 0 and (key[1] <= j or j == last_of_step0)]
-            for key in done:
-                ch.wait(sends.pop(key))
+            for key in [key for key in sends if key[0] == 0 and key[1] <= j]:
+                ch.wait(sends.pop(key))  # safe: this rank has consumed item (0, j)
         prefetch(k + 1 + window)
-    for pending in [*sends.values(), *busy.values()]:
-        if pending is not None:
-            ch.wait(pending)
+    for pending in [*sends.values(), *(p for _, p in slot_sends.values())]:
+        ch.wait(pending)

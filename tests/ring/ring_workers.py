@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from aggregation.ring import RingError, RingTimeout, allreduce, weighted_mean
+from aggregation.ring import RingError, RingTimeout, allreduce, exchange, weighted_mean
 from aggregation.ring.channel import Channel
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.ring import ring_stepwise
@@ -97,6 +97,33 @@ def _in_place(alg: str, x: torch.Tensor, **opts: object) -> torch.Tensor:
     y = x.clone()
     out = allreduce(y, algorithm=alg, out=y, **opts)
     return y if out is y else torch.full_like(y, float("nan"))
+
+
+SEGMENT = 1024  # float32 elements in the 4 KiB segments below
+
+
+def segment_edges(rank: int, n: int) -> dict[str, object]:
+    """The pipelined ring where neighbouring chunks have different segment counts, and
+    the scratch it takes for a vector of many segments per chunk."""
+    fails = []
+    # n * SEGMENT + 1: chunk 0 has two segments, the others one
+    for length in (n * SEGMENT + 1, n * SEGMENT - 1, 3 * n * SEGMENT + n // 2):
+        x = make_data(rank, length, torch.float32)
+        ref = native_sum(x)
+        abs_sum = native_sum(x.double().abs())
+        for window in (1, 3):
+            for place, fn in (("out of place", allreduce), ("in place", _in_place)):
+                args = (x,) if fn is allreduce else ("ring", x)
+                got = fn(*args, segment_bytes=4 * SEGMENT, window=window)
+                why = float_error(got, ref, abs_sum, n)
+                if why:
+                    fails.append(f"L={length} window={window} {place}: {why}")
+    per_chunk, window = 32, 3
+    cache = exchange._pool.__dict__.setdefault("buffers", {})
+    cache.clear()
+    x = make_data(rank, n * per_chunk * SEGMENT, torch.float32)
+    allreduce(x, segment_bytes=4 * SEGMENT, window=window)
+    return {"fails": fails, "slots": len(cache), "bound": per_chunk + window + 1}
 
 
 def sweep(rank: int, n: int) -> dict[str, object]:
