@@ -92,21 +92,17 @@ def ring_pipelined(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: b
     consumed = (-1, -1)  # the last item consumed
 
     def take_slot() -> int:
-        """A slot with no receive and no send in flight; waits only for a safe send."""
+        """A free slot; else the slot of the oldest send safe to wait for; else a new one."""
         nonlocal slots_made
-        for slot, (_, pending) in list(slot_sends.items()):
-            if ch.done(pending):
-                ch.wait(slot_sends.pop(slot)[1])
-                free_slots.append(slot)
-        if not free_slots:
-            old = [(item, slot) for slot, (item, _) in slot_sends.items() if item <= consumed]
-            if old:
-                slot = min(old)[1]
-                ch.wait(slot_sends.pop(slot)[1])
-                return slot
-            slots_made += 1
-            return slots_made - 1
-        return free_slots.pop()
+        if free_slots:
+            return free_slots.pop()
+        old = [(item, slot) for slot, (item, _) in slot_sends.items() if item <= consumed]
+        if old:
+            slot = min(old)[1]
+            ch.wait(slot_sends.pop(slot)[1])
+            return slot
+        slots_made += 1
+        return slots_made - 1
 
     inflight: deque[tuple[Pending, torch.Tensor, int]] = deque()
 
