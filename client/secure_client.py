@@ -20,10 +20,17 @@ SETUP record adds the compression request (``client.compression.COMPRESSION_KEY`
 client quantizes and masks only the round's ``k`` coordinates (plus the weight), and
 keeps the rest in its error-feedback residual.
 
-With differential privacy the SETUP record adds ``dp-clip`` (central DP: the client
-clips its delta to that L2 norm, the server noises the sum) or ``dp-plan`` (distributed
-DP: the client sends :func:`encode_distributed`'s noisy integer vector instead of the
-quantized one, so the server only ever decodes a noisy sum).
+With differential privacy the SETUP record adds ``dp-clip`` (central DP: the server
+noises the sum for that L2 norm C) or ``dp-plan`` (distributed DP: the client sends
+:func:`encode_distributed`'s noisy integer vector instead of the quantized one, so the
+server only ever decodes a noisy sum). Under central DP the client clips its delta below
+C by the rounding's worst case (``privacy.secagg.quantize.contribution_clip``), so what
+its words decode to, rounding included, stays within C on every path that quantizes here:
+plain quantization, secure QSGD (stochastic rounding at the modulus ``compression.bits``
+asks for) and top-k on a shared pattern (k coordinates); a SETUP whose scale leaves no
+room is refused. Its stochastic rounding then draws from the operating system's entropy,
+never from the run seed, which the server knows; without DP the rounding stays seeded
+from (run seed, round, partition), so simulations replay exactly.
 
 Between messages the session (private keys included) and the quantized input live
 only in the node's ``Context.state``, so the client also works where every message
@@ -61,7 +68,7 @@ from privacy.secagg import ProtocolError, SecAggClient, Stage
 from privacy.secagg.buffers import POOL
 from privacy.secagg.messages import decode_setup, read_header
 from privacy.secagg.params import word_dtype
-from privacy.secagg.quantize import quantize_weighted_into
+from privacy.secagg.quantize import contribution_clip, max_level, quantize_weighted_into
 from privacy.secagg.stages import MsgType
 
 SECAGG_ACTION = "secagg"  # message types "train.secagg" and "query.secagg"
@@ -283,6 +290,18 @@ def _seed(seed: int, rnd: int, pid: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+def _rounded_clip(bound: float, dim: int, weight: float, s: dict[str, Any]) -> float:
+    """Central DP: the L2 clip that keeps this client's decoded ``dim`` coordinates within
+    ``bound`` after rounding at the SETUP's scale; ProtocolError if none can."""
+    level = max_level(s[CLIP], s[SCALE], s[MAX_WEIGHT])
+    clip = contribution_clip(bound, dim=dim, scale=s[SCALE], rounding=s[ROUNDING],
+                             level=level, weight=weight)
+    if not clip > 0:
+        raise ProtocolError(f"central DP: rounding {dim} coordinates at scale {s[SCALE]:g} "
+                            f"can move an update by more than {DP_CLIP} = {bound:g}")
+    return clip
+
+
 class SecureClient:
     """The ``train.secagg`` and ``query.secagg`` handlers around a local-update function."""
 
@@ -356,10 +375,13 @@ class SecureClient:
                                     f"{delta.size} coordinates plus the weight")
             examples = float(update.metrics[wire.NUM_EXAMPLES])
             weight = 1.0 if s[WEIGHT_BY] == "uniform" else min(examples, s[MAX_WEIGHT])
-            delta = delta if dp_clip is None else clip_l2(delta, dp_clip)[0]
+            if dp_clip is not None:
+                delta = clip_l2(delta, _rounded_clip(dp_clip, delta.size, weight, s))[0]
             quantized = _input_words(setup.dim, setup.bits)  # a reused .npy buffer
-            rng = (np.random.default_rng(_seed(seed, s[ROUND], pid))
-                   if s[ROUNDING] == "stochastic" else None)  # nearest draws nothing
+            rng = None  # rounding to nearest draws nothing
+            if s[ROUNDING] == "stochastic":  # under DP the server must not know the draws
+                rng = (np.random.default_rng() if dp_clip is not None
+                       else np.random.default_rng(_seed(seed, s[ROUND], pid)))
             quantize_into(delta, weight, clip_range=s[CLIP], scale=s[SCALE],
                           max_weight=s[MAX_WEIGHT], rounding=s[ROUNDING], out=quantized,
                           rng=rng, factor=factor, threads=mask_threads(context))

@@ -21,8 +21,11 @@ plus the weight (SecAgg+ vectors of ``k + 1`` words), and the unmasked sum is sc
 back into the model's ``d`` coordinates before the server optimizer. Each round records
 its bytes on the wire (``server.wire_bytes``) in its metrics.
 
-Differential privacy (``server.dp``): with central DP each client clips its delta to the
-clip norm and the pipeline noises the decoded sum; with distributed DP each client sends
+Differential privacy (``server.dp``): with central DP each client clips its delta below
+the clip norm C by the rounding's worst case, so its decoded contribution stays within C
+(:func:`central_dp_clip` refuses at start a scale that would leave clients less than half
+of C), and the pipeline noises the decoded sum and divides by the expected (public) number
+of clients per round, however many survive; with distributed DP each client sends
 its clipped, rotated, scaled and rounded delta plus its share of integer noise (the
 round's plan travels in the SETUP record), the server decodes the noisy sum, and before
 asking for any unmasking share it checks that the survivors' noise keeps the run within
@@ -36,7 +39,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +51,7 @@ from client import wire
 from client.compression import COMPRESSION_KEY
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize_weighted
+from privacy.secagg.quantize import contribution_clip, decode_error_l2, max_level
 from server.compression import RoundPattern, SharedPattern
 from server.exchange import collect, push
 from server.secagg_config import SecAggScenarioConfig
@@ -281,12 +285,69 @@ def _over_budget(dp: DPController, plan: DistributedDPPlan, survivors: int,
             f"{dp.config.epsilon_budget:g}; no share was requested")
 
 
+MIN_CLIP_SHARE = 0.5  # central DP under secagg: the clip clients keep, as a share of dp.clip
+
+
+def central_dp_clip(settings: SecAggScenarioConfig, *, clip: float, dim: int, clients: int,
+                    weight_by: str, qsgd: bool = False) -> float:
+    """Central DP under secure aggregation: the L2 norm each client of a round of up to
+    ``clients`` clips its ``dim`` masked coordinates to, so that its decoded contribution,
+    rounding included, stays within ``clip`` (``privacy.secagg.quantize.contribution_clip``).
+
+    ValueError, naming the key to change, when the rounding's worst case would leave less
+    than :data:`MIN_CLIP_SHARE` of ``clip`` (``qsgd``: secure QSGD, whose modulus
+    ``compression.bits`` sets). The largest round has the coarsest scale, so it decides.
+    """
+    cap = settings.weight_cap(weight_by)
+
+    def at(bits: int) -> tuple[float, float, float]:
+        """(scale, rounding margin, clip kept) with a 2^bits modulus."""
+        cfg = replace(settings, bits=bits)
+        scale = cfg.scale_for(clients, weight_by)
+        level = max_level(cfg.clip_range, scale, cap)
+        margin = decode_error_l2(dim, scale, cfg.rounding, level)  # type: ignore[arg-type]
+        return scale, margin, contribution_clip(clip, dim=dim, scale=scale,
+                                                rounding=cfg.rounding,  # type: ignore[arg-type]
+                                                level=level)
+
+    def enough(bits: int) -> bool:
+        try:
+            return at(bits)[2] >= MIN_CLIP_SHARE * clip
+        except ValueError:  # the sum cannot fit at that modulus
+            return False
+
+    scale, margin, kept = at(settings.bits)
+    if kept >= MIN_CLIP_SHARE * clip:
+        return kept
+    what = (f"central DP under secure aggregation: rounding {dim} coordinates at scale "
+            f"{scale:g} (secagg.bits = {settings.bits}, {clients} clients per sum, "
+            f"{settings.rounding} rounding) can move a client's decoded update by {margin:.3g} "
+            f"in L2, so clients would clip to {max(kept, 0.0):.3g}, less than "
+            f"{MIN_CLIP_SHARE:g} of dp.clip = {clip:g}")
+    need = next((b for b in range(settings.bits + 1, 65) if enough(b)), None)
+    if settings.scale > 0:
+        fix = "raise secagg.scale (and secagg.bits to fit it) or set secagg.scale = 0"
+    elif need is None:
+        fix = "no modulus up to 2^64 is enough"
+    elif qsgd:  # the resolved modulus is the smallest whose levels reach 2^compression.bits
+        levels = max_level(settings.clip_range, at(need - 1)[0], cap).bit_length()
+        fix = (f"raise compression.bits to >= {levels} (secure QSGD sets secagg.bits from "
+               f"it; a {need}-bit modulus is needed)" if levels <= 16 else
+               f"secure QSGD cannot (compression.bits <= 16): set compression.kind = 'none' "
+               f"and secagg.bits >= {need}")
+    else:
+        fix = f"raise secagg.bits to >= {need}"
+    raise ValueError(f"{what}: {fix}, or raise dp.clip above {2 * margin:.3g}")
+
+
 class SecureRounds:
     """Runs a SyncDriver's rounds with secure aggregation (``[secagg] enabled``)."""
 
     def __init__(self, settings: SecAggScenarioConfig, *, combine: str, weight_by: str,
-                 max_clients: int = 0, sparse: SharedPattern | None = None) -> None:
+                 max_clients: int = 0, sparse: SharedPattern | None = None,
+                 qsgd: bool = False) -> None:
         self.settings = settings
+        self.qsgd = qsgd  # secure QSGD: compression.bits sets secagg.bits
         self.sparse = sparse  # top-k on a shared pattern, or None (dense)
         self.combine = combine
         self.weight_by = weight_by
@@ -295,8 +356,14 @@ class SecureRounds:
 
     def prepare(self, driver: SyncDriver) -> None:
         """At the start of a run: plan distributed DP for the model and ``[secagg] bits``
-        (ValueError, naming the key, when the noisy sum could wrap)."""
+        (ValueError, naming the key, when the noisy sum could wrap); for central DP check
+        that rounding leaves clients enough of the clip (:func:`central_dp_clip`)."""
         dp = driver.dp
+        if dp is not None and dp.config.mode == "central":
+            dim = driver.layout.dim
+            central_dp_clip(self.settings, clip=dp.clip, clients=max(2, self.max_clients),
+                            dim=self.sparse.config.k_for(dim) if self.sparse else dim,
+                            weight_by=self.weight_by, qsgd=self.qsgd)
         if dp is not None and dp.config.mode == "distributed" and dp.plan is None:
             dp.plan_distributed(dim=driver.layout.dim, bits=self.settings.bits,
                                 max_clients=self.max_clients)
@@ -388,4 +455,5 @@ def make_secure_rounds(config: dict[str, Any]) -> SecureRounds | None:
     agg = config["aggregation"]
     return SecureRounds(settings, combine=agg["combine"], weight_by=agg["weight_by"],
                         max_clients=max_round_size(config),
-                        sparse=SharedPattern.from_config(config))
+                        sparse=SharedPattern.from_config(config),
+                        qsgd=dict(config.get("compression") or {}).get("kind") == "qsgd")

@@ -90,6 +90,38 @@ def error_bound(n: int, scale: float, rounding: Rounding = "stochastic") -> floa
     return n / scale if rounding == "stochastic" else n / (2 * scale)
 
 
+def decode_error_l2(dim: int, scale: float, rounding: Rounding, level: int) -> float:
+    """Largest L2 distance between one input's decoded coordinates and what they encode.
+
+    Alone, a client's ``dim`` coordinate words decode (q / scale - max_weight * clip_range)
+    to weight * factor * clip(x) plus its rounding error: per coordinate at most half a
+    step 1/scale to nearest, less than one step stochastically, plus the float64 rounding
+    of computing and decoding a word (a few ulps of ``level``, counted as level * 2^-50);
+    so sqrt(dim) times that in L2. Clamping to [0, level] never adds to it: the exact value
+    lies in that range.
+    """
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    step = (0.5 if rounding == "nearest" else 1.0) + level * 2.0**-50
+    return math.sqrt(dim) * step / scale
+
+
+def contribution_clip(bound: float, *, dim: int, scale: float, rounding: Rounding,
+                      level: int, weight: float = 1.0) -> float:
+    """The L2 norm to clip an update to so that its decoded contribution stays within
+    ``bound`` (central DP under secure aggregation: the C its noise is calibrated to).
+
+    The contribution is weight * factor * clip(x) + e with factor <= 1, clip to
+    [-clip_range, clip_range] per coordinate (which only shrinks a vector) and
+    ||e|| <= :func:`decode_error_l2`; so an update clipped to
+    (bound - decode_error_l2) / max(weight, 1) decodes within ``bound``. A float32
+    clip lands within 2^-23 of its target, so the target is lowered by 2^-20 more.
+    Zero or less means no update fits: a finer scale (more bits) or a larger bound is needed.
+    """
+    margin = decode_error_l2(dim, scale, rounding, level)
+    return (bound - margin) / max(weight, 1.0) * (1.0 - 2.0**-20)
+
+
 def _round(
     v: np.ndarray, level: int, bits: int, rounding: Rounding, rng: np.random.Generator | None
 ) -> np.ndarray:
