@@ -66,25 +66,27 @@ def big_deltas(dim: int, seed: int = 0) -> dict[int, np.ndarray]:
     return {node: (rng.standard_normal(dim) * 3).astype(np.float32) for node in range(1, N + 1)}
 
 
-def run(deltas, settings, *, dp, seed=7, sparse=None):
+def run(deltas, settings, *, dp, seed=7, sparse=None, weight_by="uniform"):
     inputs: dict[int, np.ndarray] = {}
     dim = next(iter(deltas.values())).size
     out = secure_round(InProcessGrid(recording_app(deltas, inputs), len(deltas)),
                        nodes=list(deltas), arrays=ArrayRecord(),
                        config=ConfigRecord({wire.SEED_KEY: seed}), settings=settings,
-                       weight_by="uniform", dim=dim, session=5, rnd=1, timeout=30.0,
+                       weight_by=weight_by, dim=dim, session=5, rnd=1, timeout=30.0,
                        poll=0.001, dp=dp, sparse=sparse)
     assert out.status == "completed", out.abort_reason
     return out, inputs
 
 
-def decoded_norms(out, inputs, settings) -> list[float]:
+def decoded_norms(out, inputs, settings, weight_by="uniform") -> list[float]:
     """The L2 norm of each client's contribution to the decoded sum (its words alone)."""
     norms = []
+    cap = settings.weight_cap(weight_by)
     for words in inputs.values():
         alone, weight = dequantize_weighted(words, 1, clip_range=settings.clip_range,
-                                            scale=out.scale, max_weight=1.0)
-        assert weight == pytest.approx(1.0, abs=1 / out.scale)
+                                            scale=out.scale, max_weight=cap)
+        assert weight == pytest.approx(1.0 if weight_by == "uniform" else 10.0,
+                                       abs=1 / out.scale)
         norms.append(float(np.linalg.norm(alone)))
     return norms
 
@@ -101,6 +103,40 @@ def test_a_decoded_contribution_stays_within_the_clip(rounding, dim):
     step = 0.5 if rounding == "nearest" else 1.0
     assert kept == pytest.approx(C - np.sqrt(dim) * step / 512, rel=1e-5)
     assert min(norms) > kept - np.sqrt(dim) * step / 512
+
+
+def test_a_weighted_contribution_stays_within_the_clip():
+    # the scenario refuses weights with central DP; a client does not rely on that: weight
+    # 10 (its example count) multiplies its words, so it clips to C / 10
+    settings = SecAggScenarioConfig(enabled=True, bits=32)
+    out, inputs = run(big_deltas(5_000), settings, dp=central(), weight_by="examples")
+    norms = decoded_norms(out, inputs, settings, weight_by="examples")
+    assert max(norms) <= C and min(norms) > 0.99 * C
+
+
+def test_the_modulus_the_refusal_asks_for_is_the_least_that_fits():
+    # the reported case: secure QSGD at 8 bits, a 1M-parameter model, 10 clients per sum
+    dim, clients = 1_000_000, 10
+    base = [f"federation.clients={clients}", "secagg.enabled=true", "dp.mode=central",
+            f"dp.clip={C}", "dp.noise_multiplier=1", "aggregation.weight_by=uniform"]
+
+    def check(overrides: list[str], qsgd: bool = False) -> float:
+        cfg = load_scenario("default", [*base, *overrides])
+        return central_dp_clip(SecAggScenarioConfig.from_dict(cfg["secagg"]), clip=C,
+                               dim=dim, clients=clients, weight_by="uniform", qsgd=qsgd)
+
+    with pytest.raises(ValueError, match=r"compression\.bits to >= (\d+)") as err:
+        check(["compression.kind=qsgd", "compression.bits=8"], qsgd=True)
+    levels = int(err.value.args[0].split("compression.bits to >= ")[1].split(" ")[0])
+    assert check(["compression.kind=qsgd", f"compression.bits={levels}"], qsgd=True) >= C / 2
+    with pytest.raises(ValueError, match=r"compression\.bits"):
+        check(["compression.kind=qsgd", f"compression.bits={levels - 1}"], qsgd=True)
+    with pytest.raises(ValueError, match=r"secagg\.bits to >= (\d+)") as err:
+        check(["secagg.bits=14", "secagg.rounding=stochastic"])
+    need = int(err.value.args[0].split("secagg.bits to >= ")[1].split(",")[0])
+    assert check([f"secagg.bits={need}", "secagg.rounding=stochastic"]) >= C / 2
+    with pytest.raises(ValueError, match=r"secagg\.bits"):
+        check([f"secagg.bits={need - 1}", "secagg.rounding=stochastic"])
 
 
 def test_secure_qsgd_contribution_stays_within_the_clip():
