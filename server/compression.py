@@ -11,7 +11,9 @@ Validate stage. With secure aggregation the server sees only a masked sum, so:
   up only under a common scale. The scenario resolves ``secagg.rounding = "stochastic"``
   and ``secagg.bits`` to the smallest modulus that gives each client at least
   ``2^compression.bits`` levels for a round's clients; the secure path keeps at least 8
-  bits, so ``compression.bits`` must be >= 8 there.
+  bits, so ``compression.bits`` must be >= 8 there. With central DP each client clips
+  below C by the rounding's worst case (``server.secure_round.central_dp_clip``), which
+  fails at start, naming ``compression.bits``, when a model is too large for the levels.
 - ``kind = "topk"`` with ``shared_pattern = true`` (rand-k on a pattern derived from run
   and round) lines up: every client of a secure round (or of a secure FedBuff buffer)
   masks only the round's ``k`` values plus its weight, so SecAgg+ sums ``k + 1`` words

@@ -10,8 +10,10 @@ the aggregation pipeline:
   of clients per round (a public count, so the noise scale never depends on data);
 - local DP: each client clips and noises its own delta (see ``client.app``); the
   server only accounts, per client, for the rounds it could have taken part in;
-- central DP under secure aggregation: each client clips its own delta to C (the server
-  never sees one), the secure sum is noised by ``CentralNoise`` as above;
+- central DP under secure aggregation: each client clips its own delta below C by its
+  rounding's worst case, so what it adds to the decoded sum stays within C (the server
+  never sees one; ``server.secure_round.central_dp_clip``), the secure sum is noised by
+  ``CentralNoise`` as above;
 - distributed DP (secure aggregation only): :meth:`DPController.plan_distributed` fixes
   the integer scale and noise for the model's size and ``[secagg] bits`` when the run
   starts; each client adds its share of discrete Gaussian or Skellam noise before
