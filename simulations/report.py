@@ -39,6 +39,20 @@ def round_table(rounds: list[RoundInfo],
     return rows
 
 
+def privacy_summary(ledger: list[dict[str, Any]]) -> str | None:
+    """One line on what a run's privacy ledger says after its last round, naming whom each
+    epsilon protects against; None without a ledger."""
+    if not ledger:
+        return None
+    last = ledger[-1]
+    against = last.get("protects_against") or "unrecorded adversary"
+    line = (f"{last['mode']} DP after round {last['round']}: epsilon {last['epsilon']:.4g} "
+            f"against the {against}")
+    if last.get("epsilon_model") is not None:
+        line += f", epsilon_model {last['epsilon_model']:.4g} against the released model"
+    return f"{line} (delta {last['delta']:g}, {last['accountant']})"
+
+
 def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     """Write ``<run_id>.png``: accuracy, loss and update fates per round."""
     import matplotlib
@@ -72,9 +86,16 @@ def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     axes[2].set(title="updates", xlabel="round")
     axes[2].legend()
     if ledger:
-        axes[3].plot([e["round"] for e in ledger], [e["epsilon"] for e in ledger], marker="o")
+        rounds_ = [e["round"] for e in ledger]
+        against = ledger[-1].get("protects_against") or "unrecorded adversary"
+        axes[3].plot(rounds_, [e["epsilon"] for e in ledger], marker="o",
+                     label=f"epsilon (against the {against})")
+        if any(e.get("epsilon_model") is not None for e in ledger):
+            axes[3].plot(rounds_, [e.get("epsilon_model") for e in ledger], marker=".",
+                         label="epsilon_model (against the released model)")
         axes[3].set(title=f"privacy spent (delta={ledger[-1]['delta']:g}, "
                           f"{ledger[-1]['mode']} DP)", xlabel="round", ylabel="epsilon")
+        axes[3].legend()
     info = store.get_run(run_id)
     fig.suptitle(f"run {run_id} ({info.name})")
     out_dir.mkdir(parents=True, exist_ok=True)
