@@ -15,7 +15,8 @@ import dp_accounting as dpa
 import pytest
 
 from privacy.dp import AdaptiveClip, DPConfig, combined_noise_multiplier, split_noise_multiplier
-from server.dp import DPController
+from server.config import FederationConfig
+from server.dp import DPController, dp_controller
 
 REPLACE_ONE = dpa.NeighboringRelation.REPLACE_ONE
 Z, DELTA, N, M = 1.0, 1e-5, 20, 5
@@ -197,3 +198,12 @@ def test_the_controller_releases_the_count_of_the_clients_that_reported():
     dp.end_round(released=True)
     fraction = (2 - 3 / 2) / M + 0.5
     assert dp.clip == pytest.approx(math.exp(-0.5 * (fraction - 0.5)))
+
+
+def test_the_run_controller_charges_poisson_the_configured_fraction():
+    fed = FederationConfig(clients=N, sample_fraction=0.33, sampling="poisson")
+    dp = dp_controller(DPConfig(mode="distributed", clip=1.0, noise_multiplier=Z,
+                                delta=DELTA), fed)
+    assert dp.clients_per_round == 7  # the public count central noise divides by
+    dp.end_round(released=True)
+    assert dp.epsilon_model() == pytest.approx(poisson(1, 0.33), rel=1e-9)
