@@ -146,8 +146,8 @@ class DPController:
 
     def note_cohort(self, population: int, cohort: int) -> None:
         """The round's cohort of ``cohort`` clients was drawn from ``population`` eligible
-        ones: what fixed-size sampling charges the round (finding the sampling that
-        happened, not the one configured)."""
+        ones: what fixed-size sampling charges the round (the sampling that happened, not
+        the one configured)."""
         self._cohort = (int(population), int(cohort))
 
     @property
