@@ -307,6 +307,17 @@ class CentralNoise(PostStage):
                                c.update_noise_multiplier, c.rng)
 
 
+def figure_relations(dp: DPConfig, sampling: str) -> tuple[str, str | None]:
+    """The neighbouring relations of a run's ``epsilon`` and ``epsilon_model`` (None when
+    there is no model figure), as :class:`DPController` states them, from its config."""
+    from privacy.dp.accountant import relation
+
+    secret = not dp.reproducible_cohorts
+    if dp.mode == "central":
+        return relation(sampling if secret else "none"), None
+    return relation("none"), relation(sampling) if secret else None
+
+
 def dp_controller(dp: DPConfig, fed: FederationConfig) -> DPController:
     """The run's privacy controller for a validated ``[dp]`` and ``[federation]``."""
     poisson = fed.sampling == "poisson"

@@ -166,7 +166,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     with Store(args.db) as store:
         info = store.get_run(args.run_id)
         rows = round_table(store.rounds(args.run_id), store.secagg_rounds(args.run_id))
-        privacy = privacy_summary(store.privacy_ledger(args.run_id))
+        privacy = privacy_summary(store.privacy_ledger(args.run_id), info.config)
         path = plot_run(store, args.run_id, Path(args.out))
     table = Table(title=f"run {info.run_id} ({info.name}, {info.status})")
     columns = list(dict.fromkeys(k for row in rows for k in row))

@@ -16,7 +16,7 @@ import pytest
 
 from privacy.dp import AdaptiveClip, DPConfig, combined_noise_multiplier, split_noise_multiplier
 from server.config import FederationConfig
-from server.dp import DPController, dp_controller
+from server.dp import DPController, dp_controller, figure_relations
 
 REPLACE_ONE = dpa.NeighboringRelation.REPLACE_ONE
 Z, DELTA, N, M = 1.0, 1e-5, 20, 5
@@ -207,3 +207,14 @@ def test_the_run_controller_charges_poisson_the_configured_fraction():
     assert dp.clients_per_round == 7  # the public count central noise divides by
     dp.end_round(released=True)
     assert dp.epsilon_model() == pytest.approx(poisson(1, 0.33), rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["central", "local", "distributed"])
+@pytest.mark.parametrize("sampling", ["fixed", "poisson"])
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_the_stated_relations_are_the_accountants(mode, sampling, reproducible):
+    dp = controller(mode, sampling=sampling, reproducible=reproducible)
+    assert figure_relations(dp.config, sampling) == (dp.relation, dp.model_relation)
+    expected_model = None if mode == "central" or reproducible else (
+        "replace-one" if sampling == "fixed" else "add/remove-one")
+    assert dp.model_relation == expected_model

@@ -68,8 +68,9 @@ def test_distributed_acceptance_figures(run_inprocess, store, tmp_path):
         [unamplified(r, z) for r in range(1, 6)], rel=1e-9)
     assert [e["epsilon_model"] for e in ledger] == pytest.approx(
         [fixed(r, 20, 10, z) for r in range(1, 6)], rel=1e-9)
-    line = privacy_summary(ledger)
-    assert "against the server" in line and "epsilon_model" in line
+    line = privacy_summary(ledger, cfg)
+    assert "against the server (add/remove-one)" in line
+    assert "epsilon_model 26.84 against the released model (replace-one)" in line
     assert plot_run(store, summary["run_id"], tmp_path).exists()
 
 
