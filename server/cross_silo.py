@@ -54,7 +54,7 @@ from client.silo_ring import RingSpec, aggregate_digest
 from server.cross_silo_config import SiloConfig
 from server.exchange import collect, push
 from server.store import UpdateRecord
-from server.sync_driver import SyncDriver, sample_nodes, wait_for_nodes
+from server.sync_driver import SyncDriver, cohort_rng, sample_nodes, wait_for_nodes
 
 MISSING, ERROR = "missing", "error"  # reply states besides the silo's own statuses
 
@@ -285,12 +285,15 @@ class CrossSiloDriver(SyncDriver):
         """This round's participants, in ring order (excluded silos left out)."""
         nodes = wait_for_nodes(self.grid, self.fed)
         eligible = [n for n in nodes if n not in self.excluded]
-        sampled = sample_nodes(eligible, self.fed, self.seed, rnd)
+        secret = self.dp is not None and self.dp.secret_cohorts
+        sampled = sample_nodes(eligible, self.fed, cohort_rng(self.seed, rnd, secret=secret))
         cap = self.driver.concurrency
-        rng = np.random.default_rng([self.seed, rnd, 2])
+        rng = cohort_rng(self.seed, rnd, secret=secret, stream=2)
         if cap and len(sampled) > cap:
             sampled = sorted(sampled[int(i)] for i in rng.choice(len(sampled), cap,
                                                                    replace=False))
+        if self.dp is not None:  # what the round's fixed-size sampling is charged
+            self.dp.note_cohort(len(eligible), len(sampled))
         return [sampled[int(i)] for i in rng.permutation(len(sampled))]
 
     def round_config(self, rnd: int) -> ConfigRecord:

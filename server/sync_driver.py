@@ -42,10 +42,20 @@ class RunState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def sample_nodes(node_ids: Iterable[int], fed: FederationConfig, seed: int, rnd: int) -> list[int]:
-    """Nodes taking part in round ``rnd``: deterministic for a seed, round and node set."""
+def cohort_rng(seed: int, rnd: int, *, secret: bool, stream: int = 0) -> np.random.Generator:
+    """The generator that draws round ``rnd``'s cohort: from operating-system entropy when
+    the draw must stay secret (DP claiming amplification by sampling, see ``server.dp``),
+    else from (seed, round, stream), so that a simulation replays its cohorts."""
+    if secret:
+        return np.random.default_rng()
+    return np.random.default_rng([seed, rnd] + ([stream] if stream else []))
+
+
+def sample_nodes(node_ids: Iterable[int], fed: FederationConfig,
+                 rng: np.random.Generator) -> list[int]:
+    """Nodes taking part in a round, drawn from ``node_ids`` with ``rng``
+    (see :func:`cohort_rng`)."""
     available = sorted(node_ids)
-    rng = np.random.default_rng([seed, rnd])
     if fed.sampling == "poisson":
         return [n for n, pick in zip(available, rng.random(len(available)) < fed.sample_fraction,
                                      strict=True) if pick]
@@ -175,8 +185,7 @@ class SyncDriver:
                    "wall_s": round(time.perf_counter() - started, 3),
                    "store": self.store.display_url()}
         if self.dp is not None:
-            summary.update(epsilon=self.dp.epsilon(), delta=self.dp.config.delta,
-                           dp_mode=self.dp.config.mode)
+            summary.update(self.dp.summary())
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
         if self.grid.down:  # this process's traffic (a driver that used the counting grid)
@@ -190,7 +199,8 @@ class SyncDriver:
         """Continue ``run_id`` from its last checkpoint: model, version, pipeline and privacy
         state. Rounds recorded after that checkpoint are discarded and run again, so no round
         is lost or applied twice; sampling and client seeds derive from (seed, round), so the
-        result equals an uninterrupted run's (up to DP noise, which is never replayable)."""
+        result equals an uninterrupted run's (up to DP noise, which is never replayable, and
+        cohorts under DP without ``dp.reproducible_cohorts``, which are drawn in secret)."""
         ckpt = self.store.load_checkpoint(run_id)
         if ckpt is None:
             raise ValueError(f"run {run_id} has no checkpoint to resume from (it needs "
@@ -222,8 +232,12 @@ class SyncDriver:
                                   accountant=self.dp.config.accountant,
                                   epsilon=spent.epsilon, delta=spent.delta,
                                   noise_multiplier=spent.noise_multiplier, clip=spent.clip,
-                                  sampling_rate=spent.sampling_rate)
+                                  sampling_rate=spent.sampling_rate,
+                                  epsilon_model=spent.epsilon_model,
+                                  protects_against=spent.protects_against)
         metrics.update(epsilon=spent.epsilon, clip=spent.clip)
+        if spent.epsilon_model is not None:
+            metrics["epsilon_model"] = spent.epsilon_model
 
     def _budget_stop(self) -> bool:
         """Stop before a round that would take the run past its epsilon budget."""
@@ -400,12 +414,23 @@ class SyncDriver:
                 raise RuntimeError("no client can ever take part: every one is busy with a "
                                    "carried late update")
             self.clock.advance_to(min(waiting))
-        sampled = sample_nodes(eligible or nodes, self.fed, self.seed, rnd)
+        population = eligible or nodes
+        if self.dp is not None and len(population) < len(nodes):
+            raise RuntimeError(
+                f"round {rnd}: only {len(population)} of {len(nodes)} clients could be "
+                "sampled (the others are busy with a late task or offline); with [dp] who can "
+                "be sampled must not depend on earlier cohorts, which the privacy accountant "
+                "assumes: set driver.deadline_s = 0 (or longer than any client's task) and "
+                "clients.offline_fraction = 0, or dp.mode = 'off'")
+        secret = self.dp is not None and self.dp.secret_cohorts
+        sampled = sample_nodes(population, self.fed, cohort_rng(self.seed, rnd, secret=secret))
         cap = self.driver.concurrency
         if cap and len(sampled) > cap:  # the concurrency limit caps the cohort
-            rng = np.random.default_rng([self.seed, rnd, 1])
+            rng = cohort_rng(self.seed, rnd, secret=secret, stream=1)
             sampled = sorted(sampled[int(i)] for i in rng.choice(len(sampled), cap,
                                                                    replace=False))
+        if self.dp is not None:  # a uniform fixed-size draw of len(sampled) from population
+            self.dp.note_cohort(len(population), len(sampled))
         return sampled
 
     def _collect(self, messages: list[Message], consume: Callable[[Message], None],

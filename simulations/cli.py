@@ -115,8 +115,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     attackers = _attackers(config)
     if attackers is not None:
         summary["attackers"] = attackers
-    privacy = (f", epsilon {summary['epsilon']:.3f} at delta {summary['delta']:g}"
-               if "epsilon" in summary else "")
+    privacy = ""
+    if "epsilon" in summary:
+        privacy = (f", epsilon {summary['epsilon']:.3f} against the "
+                   f"{summary['protects_against']}")
+        if "epsilon_model" in summary:
+            privacy += (f", epsilon_model {summary['epsilon_model']:.3f} against the "
+                        "released model")
+        privacy += f" at delta {summary['delta']:g}"
     console.print(f"[bold green]{summary['status']}[/]: run {summary['run_id']}, "
                   f"{summary['rounds']} rounds, accuracy {summary['final_accuracy']:.4f}, "
                   f"loss {summary['final_loss']:.4f}{privacy}, {summary['wall_s']:.1f} s, "
@@ -155,11 +161,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from server.store import Store
-    from simulations.report import plot_run, round_table
+    from simulations.report import plot_run, privacy_summary, round_table
 
     with Store(args.db) as store:
         info = store.get_run(args.run_id)
         rows = round_table(store.rounds(args.run_id), store.secagg_rounds(args.run_id))
+        privacy = privacy_summary(store.privacy_ledger(args.run_id), info.config)
         path = plot_run(store, args.run_id, Path(args.out))
     table = Table(title=f"run {info.run_id} ({info.name}, {info.status})")
     columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -169,6 +176,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
     console = Console()
     console.print(table)
+    if privacy is not None:
+        console.print(privacy)
     console.print(f"plot: {path}")
     return 0
 

@@ -177,7 +177,31 @@ def check_dp(config: Mapping[str, Any], dp: DPConfig, fed: FederationConfig) -> 
         if agg["combine"] not in ("mean", "sum"):
             raise ValueError(f"{dp.mode} DP noises a sum of clipped updates; "
                              f"aggregation.combine='{agg['combine']}' is not a sum: use 'mean'")
+    check_dp_sampling(config, fed)
     dp_controller(dp, fed)  # the accountant refuses unsupported sampling/accountant pairs
+
+
+def check_dp_sampling(config: Mapping[str, Any], fed: FederationConfig) -> None:
+    """Features under which the cohorts are not the uniform draw the accountant charges
+    (who can be sampled would depend on earlier secret cohorts, or a Poisson cohort would
+    be cut to a size) fail at start; see ``server.dp``."""
+    driver, clients = config.get("driver", {}), config.get("clients", {})
+    if driver.get("late_policy") == "carry":
+        raise ValueError("driver.late_policy = 'carry' with [dp]: a carried update enters a "
+                         "later round's sum and its client is left out of the cohorts "
+                         "meanwhile, which the privacy accountant does not model; set "
+                         "driver.late_policy = 'drop'")
+    if clients.get("offline_fraction", 0.0) > 0:
+        raise ValueError("clients.offline_fraction > 0 with [dp]: cohorts would be drawn from "
+                         "the clients online at a time that depends on earlier cohorts, "
+                         "which the privacy accountant does not model; set "
+                         "clients.offline_fraction = 0")
+    cap = int(driver.get("concurrency", 0))
+    if fed.sampling == "poisson" and 0 < cap < fed.clients:
+        raise ValueError(f"driver.concurrency = {cap} with [dp] and federation.sampling = "
+                         "'poisson': cutting a Poisson cohort to a cap is no longer Poisson "
+                         "sampling, which the accountant charges; set driver.concurrency = 0 "
+                         "or federation.sampling = 'fixed'")
 
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from privacy.dp import DPConfig
+from server.dp import figure_relations
 from server.store import RoundInfo, Store
 
 SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
@@ -39,6 +42,30 @@ def round_table(rounds: list[RoundInfo],
     return rows
 
 
+def relations(config: Mapping[str, Any]) -> tuple[str, str | None]:
+    """The neighbouring relations of a stored run's ``epsilon`` and ``epsilon_model``."""
+    dp = DPConfig.from_dict(config.get("dp", {}))
+    return figure_relations(dp, config.get("federation", {}).get("sampling", "fixed"))
+
+
+def privacy_summary(ledger: list[dict[str, Any]],
+                    config: Mapping[str, Any] | None = None) -> str | None:
+    """One line on what a run's privacy ledger says after its last round, naming whom each
+    epsilon protects against (and, given the run's config, its neighbouring relation);
+    None without a ledger."""
+    if not ledger:
+        return None
+    last = ledger[-1]
+    relation, model_relation = relations(config) if config is not None else (None, None)
+    against = last.get("protects_against") or "unrecorded adversary"
+    line = (f"{last['mode']} DP after round {last['round']}: epsilon {last['epsilon']:.4g} "
+            f"against the {against}" + (f" ({relation})" if relation else ""))
+    if last.get("epsilon_model") is not None:
+        line += (f", epsilon_model {last['epsilon_model']:.4g} against the released model"
+                 + (f" ({model_relation})" if model_relation else ""))
+    return f"{line}; delta {last['delta']:g}, {last['accountant']}"
+
+
 def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     """Write ``<run_id>.png``: accuracy, loss and update fates per round."""
     import matplotlib
@@ -71,11 +98,19 @@ def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
                 bottom=[r.num_accepted + r.num_rejected for r in rounds], label="dropped")
     axes[2].set(title="updates", xlabel="round")
     axes[2].legend()
+    info = store.get_run(run_id)
     if ledger:
-        axes[3].plot([e["round"] for e in ledger], [e["epsilon"] for e in ledger], marker="o")
+        rounds_ = [e["round"] for e in ledger]
+        against = ledger[-1].get("protects_against") or "unrecorded adversary"
+        relation, model_relation = relations(info.config)
+        axes[3].plot(rounds_, [e["epsilon"] for e in ledger], marker="o",
+                     label=f"epsilon: the {against} ({relation})")
+        if any(e.get("epsilon_model") is not None for e in ledger):
+            axes[3].plot(rounds_, [e.get("epsilon_model") for e in ledger], marker=".",
+                         label=f"epsilon_model: the released model ({model_relation})")
         axes[3].set(title=f"privacy spent (delta={ledger[-1]['delta']:g}, "
                           f"{ledger[-1]['mode']} DP)", xlabel="round", ylabel="epsilon")
-    info = store.get_run(run_id)
+        axes[3].legend()
     fig.suptitle(f"run {run_id} ({info.name})")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{run_id}.png"

@@ -1,22 +1,36 @@
-"""Privacy accountant for user-level DP: each round is a sampled Gaussian mechanism.
+"""Privacy accountant for user-level DP: each round is a (sampled) Gaussian mechanism.
 
 Epsilons come from Google's ``dp_accounting``: the RDP accountant, or privacy loss
-distributions (PLD). A round with noise multiplier z (noise std / per-client L2
-sensitivity of the sum) and sampling is:
+distributions (PLD). Every multiplier given to this class is ``z`` = noise std / C, where
+C bounds one client's contribution to the sum (its clip, or distributed DP's norm bound):
+the sensitivity of the sum under ADD/REMOVE one client. The neighbouring relation and the
+sensitivity go together, so each sampling mode hands dp_accounting the multiplier for its
+own relation:
 
-- ``sampling="poisson"``: ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``, add/remove
-  one client neighbours;
-- ``sampling="fixed"``: ``SampledWithoutReplacementDpEvent(population, clients_per_round,
-  GaussianDpEvent(z))``, replace-one neighbours (what dp_accounting supports for it);
-  RDP only, since dp_accounting's PLD accountant has no such event.
+- ``sampling="fixed"`` (a fixed-size cohort of ``m`` of ``N`` drawn without replacement):
+  ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z / 2))`` under REPLACE_ONE
+  (the only relation dp_accounting supports for it). Replacing one client's data moves a
+  sum of C-bounded updates by up to 2C, so the multiplier against that sensitivity is
+  ``z / 2``. RDP only: dp_accounting's PLD accountant has no such event.
+- ``sampling="poisson"`` (each client independently with probability ``q``):
+  ``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` under ADD_OR_REMOVE_ONE.
+- ``sampling="none"`` (no amplification: the adversary knows who took part, e.g. the
+  server that picks the cohort, or anyone who can replay a seeded draw): every round is
+  ``GaussianDpEvent(z)`` under ADD_OR_REMOVE_ONE, charged to every client as if it took
+  part in every round.
 
-Rounds are stored as runs of ``(z, count)`` so that a per-round z (adaptive clipping,
-distributed DP plans) is accounted exactly and the state survives a restart. With
+Amplification by sampling holds only while the draw is secret from the adversary the
+epsilon is stated against; choosing ``sampling="none"`` when it is not is the caller's job
+(``server.dp`` does it per mode).
+
+The sampling the accountant assumes must be the sampling that happened: :meth:`step`
+takes each fixed-size round's actual population and cohort size (default: the
+constructor's), and rounds are stored as runs of ``(z, count)``, plus ``(population,
+cohort)`` for fixed sampling, so that a per-round z (adaptive clipping, distributed DP
+with dropouts) or cohort is accounted exactly and the state survives a restart. With
 adaptive clipping pass the TOTAL z (update noise and count noise together, see
-:func:`privacy.dp.clipping.combined_noise_multiplier`); for distributed DP pass the plan's
-``effective_noise_multiplier``. For local DP the server sees who took part, so there is no
-amplification by sampling: account each client with ``sampling_rate=1`` and one step per
-round it took part in.
+:func:`privacy.dp.clipping.combined_noise_multiplier`); for distributed DP pass the
+plan's ``effective_noise_multiplier``. Both are add/remove multipliers like ``z``.
 """
 
 from __future__ import annotations
@@ -32,14 +46,24 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from privacy.dp import _checks
 
-SAMPLINGS = ("poisson", "fixed")
+SAMPLINGS = ("poisson", "fixed", "none")
 ACCOUNTANTS = ("rdp", "pld")
 PLD_DISCRETIZATION = 1e-4  # dp_accounting's PLDAccountant default
 _NEIGHBOURS = dp_accounting.NeighboringRelation
+REPLACE_ONE_FACTOR = 2.0  # replacing one client moves the sum twice as far as removing it
+
+# One run of rounds: (z, rounds, population, cohort); population and cohort are None
+# unless sampling is "fixed".
+Run = tuple[float, int, int | None, int | None]
+
+
+def relation(sampling: str) -> str:
+    """The neighbouring relation an epsilon under ``sampling`` is stated for."""
+    return "replace-one" if sampling == "fixed" else "add/remove-one"
 
 
 class PrivacyAccountant:
-    """Tracks rounds of a sampled Gaussian mechanism and reports (epsilon, delta)."""
+    """Tracks rounds of a (sampled) Gaussian mechanism and reports (epsilon, delta)."""
 
     def __init__(
         self,
@@ -69,13 +93,14 @@ class PrivacyAccountant:
                 raise ValueError(
                     "sampling='fixed' needs clients_per_round and population (not sampling_rate)"
                 )
-            self.population = _checks.integer("population", population, 1)
-            self.clients_per_round = _checks.integer("clients_per_round", clients_per_round, 1)
-            if self.clients_per_round > self.population:
-                raise ValueError(
-                    f"clients_per_round={clients_per_round} exceeds population={population}"
-                )
+            self.population, self.clients_per_round = _cohort(population, clients_per_round)
             self.sampling_rate = self.clients_per_round / self.population
+        elif self.sampling == "none":
+            if sampling_rate is not None or clients_per_round is not None \
+                    or population is not None:
+                raise ValueError("sampling='none' (no amplification) takes no sampling_rate, "
+                                 "clients_per_round or population")
+            self.sampling_rate = 1.0
         else:
             if sampling_rate is not None:
                 if clients_per_round is not None or population is not None:
@@ -96,25 +121,38 @@ class PrivacyAccountant:
                     f"sampling rate must be in [0, 1], got {self.sampling_rate}; "
                     "check clients_per_round <= population"
                 )
-        self._history: list[tuple[float, int]] = []
+        self._history: list[Run] = []
+
+    @property
+    def relation(self) -> str:
+        """The neighbouring relation this accountant's epsilon is stated for."""
+        return relation(self.sampling)
 
     # -- rounds -------------------------------------------------------------------------
 
     @property
     def rounds(self) -> int:
         """Rounds accounted so far."""
-        return sum(count for _, count in self._history)
+        return sum(run[1] for run in self._history)
 
     @property
-    def history(self) -> list[tuple[float, int]]:
-        """Runs of ``(noise_multiplier, rounds)`` in order."""
-        return list(self._history)
+    def history(self) -> list[tuple]:
+        """Runs of ``(noise_multiplier, rounds)`` in order; with fixed sampling
+        ``(noise_multiplier, rounds, population, cohort)``."""
+        if self.sampling == "fixed":
+            return list(self._history)
+        return [(z, n) for z, n, _, _ in self._history]
 
-    def step(self, rounds: int = 1, noise_multiplier: float | None = None) -> None:
-        """Account ``rounds`` more rounds at ``noise_multiplier`` (default: the constructor's)."""
+    def step(self, rounds: int = 1, noise_multiplier: float | None = None, *,
+             population: int | None = None, cohort: int | None = None) -> None:
+        """Account ``rounds`` more rounds at ``noise_multiplier`` (default: the constructor's).
+
+        With fixed sampling, ``population`` and ``cohort`` are what those rounds actually
+        drew from and drew (default: the constructor's); other samplings refuse them.
+        """
         rounds = _checks.integer("rounds", rounds, 0)
-        z = self._z(noise_multiplier)
-        self._history = _extend(self._history, z, rounds)
+        self._history = _extend(self._history, self._run(noise_multiplier, rounds,
+                                                         population, cohort))
 
     # -- queries ------------------------------------------------------------------------
 
@@ -125,9 +163,10 @@ class PrivacyAccountant:
     def epsilon_after(
         self, rounds: int, noise_multiplier: float | None = None, delta: float | None = None
     ) -> float:
-        """What-if: epsilon if ``rounds`` MORE rounds ran from the current state."""
+        """What-if: epsilon if ``rounds`` MORE rounds ran from the current state (with the
+        constructor's sampling)."""
         rounds = _checks.integer("rounds", rounds, 0)
-        extended = _extend(self._history, self._z(noise_multiplier), rounds)
+        extended = _extend(self._history, self._run(noise_multiplier, rounds))
         return self._epsilon(tuple(extended), self._delta(delta))
 
     def rounds_within(
@@ -158,7 +197,7 @@ class PrivacyAccountant:
         rdp_key = ("rdp", *self._key()[1:])
 
         def rdp_fits(extra: int) -> bool:
-            history = tuple(_extend(self._history, z, extra))
+            history = tuple(_extend(self._history, self._run(z, extra)))
             return _cached_epsilon(rdp_key, history, delta) <= budget
 
         guess = _largest_fitting(rdp_fits, 1, limit) if rdp_fits(1) else 1
@@ -170,16 +209,20 @@ class PrivacyAccountant:
         return min(max(guess, 1), limit)
 
     def dp_event(self) -> dp_accounting.DpEvent:
-        """The composed DpEvent of all rounds so far (for a ledger)."""
+        """The composed DpEvent of all rounds so far (for a ledger); compose it under
+        :attr:`relation` (REPLACE_ONE for fixed sampling)."""
         return dp_accounting.ComposedDpEvent(
-            [dp_accounting.SelfComposedDpEvent(self._round_event(z), n) for z, n in self._history]
+            [dp_accounting.SelfComposedDpEvent(_round_event(self.sampling, self.sampling_rate,
+                                                            z, population, cohort), n)
+             for z, n, population, cohort in self._history]
         )
 
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, object]:
         return {
-            "history": [[z, n] for z, n in self._history],
+            "history": [list(run) if self.sampling == "fixed" else [run[0], run[1]]
+                        for run in self._history],
             "rounds": self.rounds,
             "noise_multiplier": self.noise_multiplier,
             "sampling": self.sampling,
@@ -189,7 +232,8 @@ class PrivacyAccountant:
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore the rounds; refuses a state saved under a different sampling."""
+        """Restore the rounds; refuses a state saved under a different sampling. A fixed
+        sampling's runs saved as ``[z, n]`` (older states) take the constructor's cohort."""
         if state.get("sampling") != self.sampling or not math.isclose(
             float(state.get("sampling_rate", -1.0)), self.sampling_rate, rel_tol=1e-12
         ):
@@ -198,16 +242,29 @@ class PrivacyAccountant:
                 f"{state.get('sampling')!r} at rate {state.get('sampling_rate')}, but this "
                 f"accountant uses {self.sampling!r} at rate {self.sampling_rate}"
             )
-        history: list[tuple[float, int]] = []
-        for z, n in state["history"]:  # type: ignore[union-attr]
-            history = _extend(
-                history,
-                _checks.non_negative("noise_multiplier", z),
-                _checks.integer("rounds", n, 0),
-            )
+        history: list[Run] = []
+        for saved in state["history"]:  # type: ignore[union-attr]
+            z, n, *cohort = saved
+            population, size = cohort if len(cohort) == 2 else (None, None)
+            history = _extend(history, self._run(z, n, population, size))
         self._history = history
 
     # -- internals ----------------------------------------------------------------------
+
+    def _run(self, noise_multiplier: float | None, rounds: int,
+             population: int | None = None, cohort: int | None = None) -> Run:
+        z = self._z(noise_multiplier)
+        n = _checks.integer("rounds", rounds, 0)
+        if self.sampling != "fixed":
+            if population is not None or cohort is not None:
+                raise ValueError(f"sampling={self.sampling!r} takes no population or cohort "
+                                 "per round")
+            return (z, n, None, None)
+        if population is None and cohort is None:
+            return (z, n, self.population, self.clients_per_round)
+        if population is None or cohort is None:
+            raise ValueError("give both population and cohort for a fixed-size round")
+        return (z, n, *_cohort(population, cohort))
 
     def _z(self, noise_multiplier: float | None) -> float:
         if noise_multiplier is None:
@@ -217,30 +274,42 @@ class PrivacyAccountant:
     def _delta(self, delta: float | None) -> float:
         return self.delta if delta is None else _checks.open_unit("delta", delta)
 
-    def _round_event(self, z: float) -> dp_accounting.DpEvent:
-        gaussian = dp_accounting.GaussianDpEvent(z)
-        if self.sampling == "fixed":
-            return dp_accounting.SampledWithoutReplacementDpEvent(
-                self.population, self.clients_per_round, gaussian
-            )
-        return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian)
-
-    def _epsilon(self, history: tuple[tuple[float, int], ...], delta: float) -> float:
+    def _epsilon(self, history: tuple[Run, ...], delta: float) -> float:
         return _cached_epsilon(self._key(), history, delta)
 
     def _key(self) -> tuple[object, ...]:
-        return (self.accountant, self.sampling, self.sampling_rate, self.population,
-                self.clients_per_round)
+        return (self.accountant, self.sampling, self.sampling_rate)
 
 
-def _extend(history: list[tuple[float, int]], z: float, rounds: int) -> list[tuple[float, int]]:
+def _cohort(population: object, cohort: object) -> tuple[int, int]:
+    n = _checks.integer("population", population, 1)
+    m = _checks.integer("clients_per_round", cohort, 1)
+    if m > n:
+        raise ValueError(f"clients_per_round={m} exceeds population={n}")
+    return n, m
+
+
+def _round_event(sampling: str, rate: float, z: float, population: int | None,
+                 cohort: int | None) -> dp_accounting.DpEvent:
+    """One round's DpEvent, with the multiplier for its sampling's neighbouring relation."""
+    if sampling == "fixed":
+        gaussian = dp_accounting.GaussianDpEvent(z / REPLACE_ONE_FACTOR)
+        return dp_accounting.SampledWithoutReplacementDpEvent(population, cohort, gaussian)
+    gaussian = dp_accounting.GaussianDpEvent(z)
+    if sampling == "none":
+        return gaussian
+    return dp_accounting.PoissonSampledDpEvent(rate, gaussian)
+
+
+def _extend(history: list[Run], run: Run) -> list[Run]:
     out = list(history)
+    z, rounds, population, cohort = run
     if rounds == 0:
         return out
-    if out and out[-1][0] == z:
-        out[-1] = (z, out[-1][1] + rounds)
+    if out and (out[-1][0], out[-1][2], out[-1][3]) == (z, population, cohort):
+        out[-1] = (z, out[-1][1] + rounds, population, cohort)
     else:
-        out.append((z, rounds))
+        out.append(run)
     return out
 
 
@@ -276,45 +345,43 @@ def _largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_epsilon(key: tuple, history: tuple[tuple[float, int], ...], delta: float) -> float:
+def _cached_epsilon(key: tuple, history: tuple[Run, ...], delta: float) -> float:
     if not history:
         return 0.0
-    if key[0] == "pld":
-        return _pld_epsilon(key[2], history, delta)
+    accountant, sampling, rate = key
+    if accountant == "pld":
+        return _pld_epsilon(1.0 if sampling == "none" else rate, history, delta)
     orders = None
     total = None
-    for z, n in history:
-        orders, per_round = _rdp_round(key, z)
+    for z, n, population, cohort in history:
+        orders, per_round = _rdp_round(sampling, rate, z, population, cohort)
         total = n * per_round if total is None else total + n * per_round
     return float(rdp_lib.compute_epsilon(orders, total, delta)[0])
 
 
-@functools.lru_cache(maxsize=64)
-def _rdp_round(key: tuple, z: float) -> tuple[np.ndarray, np.ndarray]:
+@functools.lru_cache(maxsize=256)
+def _rdp_round(sampling: str, rate: float, z: float, population: int | None,
+               cohort: int | None) -> tuple[np.ndarray, np.ndarray]:
     """RDP curve of one round, from dp_accounting's RdpAccountant and the round's DpEvent.
     ``n`` rounds cost ``n`` times it, which is how RdpAccountant composes a count."""
-    _, sampling, rate, population, per_round = key
-    gaussian = dp_accounting.GaussianDpEvent(z)
-    if sampling == "fixed":
-        event = dp_accounting.SampledWithoutReplacementDpEvent(population, per_round, gaussian)
-        rdp = rdp_lib.RdpAccountant(neighboring_relation=_NEIGHBOURS.REPLACE_ONE)
-    else:
-        event = dp_accounting.PoissonSampledDpEvent(rate, gaussian)
-        rdp = rdp_lib.RdpAccountant(neighboring_relation=_NEIGHBOURS.ADD_OR_REMOVE_ONE)
-    rdp.compose(event)
+    neighbours = (_NEIGHBOURS.REPLACE_ONE if sampling == "fixed"
+                  else _NEIGHBOURS.ADD_OR_REMOVE_ONE)
+    rdp = rdp_lib.RdpAccountant(neighboring_relation=neighbours)
+    rdp.compose(_round_event(sampling, rate, z, population, cohort))
     return rdp.orders, rdp.rdp
 
 
-def _pld_epsilon(rate: float, history: tuple[tuple[float, int], ...], delta: float) -> float:
-    """PLD of Poisson-sampled Gaussian rounds, built exactly as dp_accounting's PLDAccountant
-    builds it for ``PoissonSampledDpEvent(rate, GaussianDpEvent(z))`` composed ``n`` times,
-    with the one-round PLD cached so that what-if queries cost one self-composition."""
+def _pld_epsilon(rate: float, history: tuple[Run, ...], delta: float) -> float:
+    """PLD of Poisson-sampled Gaussian rounds (rate 1: unsampled), built exactly as
+    dp_accounting's PLDAccountant builds it for ``PoissonSampledDpEvent(rate,
+    GaussianDpEvent(z))`` composed ``n`` times, with the one-round PLD cached so that
+    what-if queries cost one self-composition."""
     if rate == 0.0:
         return 0.0
-    if any(z == 0.0 for z, _ in history):
+    if any(z == 0.0 for z, *_ in history):
         return math.inf
     total = pld_lib.identity(value_discretization_interval=PLD_DISCRETIZATION)
-    for z, n in history:
+    for z, n, _, _ in history:
         total = total.compose(_pld_round(rate, z).self_compose(n))
     return float(total.get_epsilon_for_delta(delta))
 

@@ -30,6 +30,11 @@ class DPConfig:
     - ``mechanism``: gaussian for central/local; discrete_gaussian (default) or skellam for
       distributed. ``k_stddevs`` (default: from a 1e-6 wrap probability per round) and
       ``rotation`` tune the distributed plan (``plan_distributed_dp``).
+    - ``reproducible_cohorts``: false (default) draws each round's cohort from operating-system
+      entropy, so that no one who reads the stored run seed can replay who took part, and
+      epsilons against the released model may claim amplification by sampling. True keeps
+      the cohorts seeded by the run seed (reproducible simulations) and then claims no
+      amplification anywhere: every epsilon is the unsampled Gaussian's.
     """
 
     mode: str = "off"
@@ -45,6 +50,7 @@ class DPConfig:
     accountant: str = "rdp"
     k_stddevs: float | None = None
     rotation: bool = True
+    reproducible_cohorts: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -68,8 +74,9 @@ class DPConfig:
         _checks.choice("dp.accountant", self.accountant, ACCOUNTANTS)
         if self.k_stddevs is not None:
             set_(self, "k_stddevs", _checks.positive("dp.k_stddevs", self.k_stddevs))
-        if not isinstance(self.rotation, bool):
-            raise ValueError(f"dp.rotation must be true or false, got {self.rotation!r}")
+        for key in ("rotation", "reproducible_cohorts"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"dp.{key} must be true or false, got {getattr(self, key)!r}")
 
         default = "discrete_gaussian" if mode == "distributed" else "gaussian"
         mechanism = default if self.mechanism is None else self.mechanism

@@ -17,7 +17,13 @@ with the requested noise multiplier relative to the rounding-inflated norm bound
 
 Accounting: the plan's ``effective_noise_multiplier`` is the multiplier of the Gaussian
 whose RDP bounds that of the summed noise (discrete Gaussian: the concentrated-DP bound
-of Kairouz et al.; Skellam: up to terms of order 1/variance, neglected). Feeding it to
+of Kairouz et al.; Skellam: up to terms of order 1/variance, neglected), relative to the
+norm bound: the sensitivity of the sum under add/remove one client, like every multiplier
+the accountant takes. Under replace-one two rounded vectors differ by up to twice the
+norm bound, and the accountant halves the multiplier for fixed-size sampling; for the
+discrete Gaussian that doubles the ``tau`` term as well, which only overcharges. Against the
+server, which draws the cohort, no amplification by sampling is claimed (``server.dp``);
+the released model's figure uses client sampling. Feeding the multiplier to
 :class:`privacy.dp.accountant.PrivacyAccountant` with client sampling applies the
 continuous Gaussian's amplification-by-sampling analysis to these discrete mechanisms,
 which is an approximation (exact without sampling, i.e. sampling_rate=1). Why it is a

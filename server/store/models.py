@@ -163,7 +163,12 @@ class CheckpointRow(OneRowPerRound, Base):
 
 
 class LedgerRow(OneRowPerRound, Base):
-    """The privacy ledger: (epsilon, delta) spent by a run after each round."""
+    """The privacy ledger: (epsilon, delta) spent by a run after each round.
+
+    ``epsilon`` is stated against ``protects_against`` ("server" or "released model");
+    ``epsilon_model``, when set, against the released model's consumers (local and
+    distributed DP). Both are NULL-able for rows written before revision 0002.
+    """
 
     __tablename__ = "privacy_ledger"
 
@@ -174,6 +179,8 @@ class LedgerRow(OneRowPerRound, Base):
     noise_multiplier: Mapped[float] = mapped_column(Float)
     clip: Mapped[float] = mapped_column(Float)
     sampling_rate: Mapped[float] = mapped_column(Float)
+    epsilon_model: Mapped[float | None] = mapped_column(Float, nullable=True)
+    protects_against: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class SecAggRoundRow(OneRowPerRound, Base):

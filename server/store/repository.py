@@ -642,13 +642,20 @@ class Store:
 
     def record_privacy(self, run_id: str, *, round: int, mode: str, accountant: str,
                        epsilon: float, delta: float, noise_multiplier: float, clip: float,
-                       sampling_rate: float) -> None:
-        """Record the (epsilon, delta) a run has spent after ``round`` (replaces a re-record)."""
-        values = {"run_id": run_id, "round": _int(round, "round"), "mode": str(mode),
-                  "accountant": str(accountant)}
+                       sampling_rate: float, epsilon_model: float | None = None,
+                       protects_against: str | None = None) -> None:
+        """Record the (epsilon, delta) a run has spent after ``round`` (replaces a re-record):
+        ``epsilon`` against ``protects_against``, ``epsilon_model`` (optional) against the
+        released model's consumers."""
+        values: dict[str, Any] = {
+            "run_id": run_id, "round": _int(round, "round"), "mode": str(mode),
+            "accountant": str(accountant), "epsilon_model": None,
+            "protects_against": None if protects_against is None else str(protects_against)}
         for key, value in (("epsilon", epsilon), ("delta", delta),
                            ("noise_multiplier", noise_multiplier), ("clip", clip),
-                           ("sampling_rate", sampling_rate)):
+                           ("sampling_rate", sampling_rate), ("epsilon_model", epsilon_model)):
+            if value is None and key == "epsilon_model":
+                continue
             number = float(value)
             if not math.isfinite(number) or number < 0:
                 raise ValueError(f"ledger {key} must be a finite number >= 0, got {value!r}")
@@ -668,7 +675,8 @@ class Store:
         return [{"round": r.round, "mode": r.mode, "accountant": r.accountant,
                  "epsilon": r.epsilon, "delta": r.delta,
                  "noise_multiplier": r.noise_multiplier, "clip": r.clip,
-                 "sampling_rate": r.sampling_rate} for r in rows]
+                 "sampling_rate": r.sampling_rate, "epsilon_model": r.epsilon_model,
+                 "protects_against": r.protects_against} for r in rows]
 
     # ---- secure aggregation
 

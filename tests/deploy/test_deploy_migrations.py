@@ -123,3 +123,30 @@ def test_a_foreign_schema_is_not_stamped(new_url: Any) -> None:
     with pytest.raises(RuntimeError, match="differ from the models"):
         upgrade(url)
     assert current(url) is None
+
+
+def test_a_ledger_written_before_0002_keeps_its_rows(new_url: Any) -> None:
+    url = new_url("ledger")
+    assert upgrade(url, "0001") == "0001"
+    engine = engine_for(url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (run_id, created_at, status, seed, config) VALUES "
+                          "('r1', '2026-11-22 10:00:00+00:00', 'completed', 0, '{}')"))
+        conn.execute(text("INSERT INTO privacy_ledger (run_id, round, mode, accountant, "
+                          "epsilon, delta, noise_multiplier, clip, sampling_rate) VALUES "
+                          "('r1', 1, 'central', 'rdp', 2.5, 1e-5, 1.1, 1.0, 0.25)"))
+    engine.dispose()
+    assert upgrade(url) == "0002"
+    with Store(url) as store:
+        [row] = store.privacy_ledger("r1")
+        assert row["epsilon"] == 2.5 and row["sampling_rate"] == 0.25
+        assert row["epsilon_model"] is None and row["protects_against"] is None
+        store.record_privacy("r1", round=2, mode="distributed", accountant="rdp", epsilon=12.3,
+                             delta=1e-5, noise_multiplier=1.0, clip=1.0, sampling_rate=0.5,
+                             epsilon_model=26.8, protects_against="server")
+        new = store.privacy_ledger("r1")[1]
+        assert (new["epsilon_model"], new["protects_against"]) == (26.8, "server")
+        with pytest.raises(ValueError, match="epsilon_model"):
+            store.record_privacy("r1", round=3, mode="distributed", accountant="rdp",
+                                 epsilon=1.0, delta=1e-5, noise_multiplier=1.0, clip=1.0,
+                                 sampling_rate=0.5, epsilon_model=float("nan"))

@@ -58,6 +58,7 @@ def test_adaptive_clipping_noise_split():
           "clipped_count_stddev": 0.5}, "raise clipped_count_stddev"),
         ({"mode": "central", "noise_multiplier": 0, "epsilon_budget": 3}, "noise_multiplier > 0"),
         ({"rotation": "yes"}, "dp.rotation must be true or false"),
+        ({"reproducible_cohorts": 1}, "dp.reproducible_cohorts must be true or false"),
         ({"k_stddevs": -2}, "dp.k_stddevs must be > 0"),
         ({"noise_mult": 1.0}, "unknown key 'noise_mult' in \\[dp\\]; known keys: mode, clip"),
     ],

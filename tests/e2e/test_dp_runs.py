@@ -37,17 +37,22 @@ def test_central_dp_ledger_matches_dp_accounting(run_inprocess, store):
     summary = run_inprocess(cfg)
     ledger = store.privacy_ledger(summary["run_id"])
     assert [e["round"] for e in ledger] == [1, 2, 3]
-    # 2 of 5 clients per round, sampled without replacement, 3 rounds, z = 1
+    # 2 of 5 clients per round, sampled without replacement, 3 rounds, noise std z C = 1:
+    # replacing one client moves the clipped sum by up to 2C, so the multiplier against the
+    # replace-one sensitivity is 1 / 2
     acc = dp_accounting.rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     event = dp_accounting.SampledWithoutReplacementDpEvent(
-        5, 2, dp_accounting.GaussianDpEvent(1.0))
+        5, 2, dp_accounting.GaussianDpEvent(1.0 * 1.0 / (2 * 1.0)))
     expected = []
     for _ in range(3):
         acc.compose(event)
         expected.append(acc.get_epsilon(1e-5))
     np.testing.assert_allclose([e["epsilon"] for e in ledger], expected, rtol=1e-9)
     assert summary["epsilon"] == pytest.approx(expected[-1])
+    assert summary["protects_against"] == "released model" and "epsilon_model" not in summary
+    assert {e["protects_against"] for e in ledger} == {"released model"}
+    assert all(e["epsilon_model"] is None for e in ledger)
     rounds = store.rounds(summary["run_id"])
     assert rounds[-1].metrics["epsilon"] == pytest.approx(expected[-1])
 
