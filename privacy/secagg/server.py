@@ -484,7 +484,8 @@ class SecAggServer:
             np.subtract(self._sum, vector, out=self._sum)
 
     def _prune(self, active: set[int], what: str) -> set[int]:
-        """Leave out clients with fewer than t neighbours in ``active``, until stable."""
+        """Leave out clients with fewer than t neighbours in ``active``, until stable; abort
+        when fewer than the policy's ``min_survivors`` are left."""
         t = self.config.t
         changed = True
         while changed:
@@ -500,10 +501,13 @@ class SecAggServer:
                     changed = True
         if not active:
             raise Aborted(f"no client has {t} neighbours left after stage {self.stage.name}")
+        self._check_left(active)
+        return active
+
+    def _check_left(self, active: set[int]) -> None:
         few = self.policy.survivors_violation(len(active))
         if few is not None:
             raise Aborted(f"after stage {self.stage.name}: {few}; no share was requested")
-        return active
 
     def _open(self, stage: Stage, expected: set[int]) -> None:
         self.stage = stage
