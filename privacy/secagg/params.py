@@ -188,8 +188,9 @@ class SecAggConfig:
     ) -> SecAggConfig:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
-        The default k is at least ``MIN_NEIGHBORS`` (3) or the full graph; a drawn seed
-        is drawn again until its graph is connected (a given ``seed`` is kept as is)."""
+        The default k is at least ``MIN_NEIGHBORS`` (3) or the full graph; with k >= 3 a
+        drawn seed is drawn again until its graph is connected (a given ``seed`` is kept
+        as is)."""
         ids = tuple(sorted(int(c) for c in participants))
         n = len(ids)
         if k is None:
@@ -202,8 +203,9 @@ class SecAggConfig:
         if seed is None:
             for _ in range(_MAX_SEED_DRAWS):
                 seed = os.urandom(SEED_BYTES)
-                if not 1 <= k <= n - 1 or (n * k) % 2 or graph_connected(n, k, seed):
-                    break  # (an invalid k is refused by the constructor)
+                if not MIN_NEIGHBORS <= k <= n - 1 or (n * k) % 2 or \
+                        graph_connected(n, k, seed):
+                    break  # (a k below the policy is for tests, or refused later)
             else:  # pragma: no cover - k >= 3 regular graphs are connected w.h.p.
                 raise RuntimeError(f"no connected {k}-regular graph on {n} nodes drawn")
         return cls(ids, k, t, bits, dim, run_id, round_id, seed)
