@@ -3,17 +3,18 @@
 Hostile SETUPs (k = 1, t = 1; k = 2 cycles; a disconnected graph; t <= k/2; two clients)
 and unmask requests listing too few survivors are refused by every client; the server
 aborts before requesting any share when fewer than ``min_survivors`` clients, or a
-disconnected set of them, survive. Connectivity is checked here with networkx, not with
-the code under test.
+disconnected set of them, survive. Connectivity is checked here with scipy's csgraph, not
+with the code under test.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-import networkx as nx
 import numpy as np
 import pytest
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components
 
 from privacy.secagg import (
     DEFAULT_POLICY,
@@ -36,11 +37,15 @@ DISCONNECTED_SEED = hashlib.sha256(b"disconnected-5514").digest()  # n = 8, k = 
 CUT_SEED = hashlib.sha256(b"cut-241").digest()  # n = 10, k = 3: node 0 is a cut vertex
 
 
-def nx_graph(n: int, k: int, seed: bytes) -> nx.Graph:
-    g = nx.Graph()
-    g.add_nodes_from(range(n))
-    g.add_edges_from((u, v) for u, nbrs in enumerate(regular_graph(n, k, seed)) for v in nbrs)
-    return g
+def components(n: int, k: int, seed: bytes, without: tuple[int, ...] = ()) -> int:
+    """Connected components of the seed's graph on nodes 0..n-1, less ``without``."""
+    keep = [u for u in range(n) if u not in without]
+    index = {u: i for i, u in enumerate(keep)}
+    edges = [(index[u], index[v]) for u in keep for v in regular_graph(n, k, seed)[u]
+             if v in index]
+    rows, cols = zip(*edges, strict=True) if edges else ((), ())
+    adjacency = csr_matrix((np.ones(len(edges)), (rows, cols)), shape=(len(keep),) * 2)
+    return connected_components(adjacency, directed=False)[0]
 
 
 def forged(n: int, k: int, t: int, seed: bytes = bytes(range(32))) -> SecAggConfig:
@@ -49,10 +54,10 @@ def forged(n: int, k: int, t: int, seed: bytes = bytes(range(32))) -> SecAggConf
 
 
 def test_the_forged_graphs_are_what_the_tests_say():
-    assert not nx.is_connected(nx_graph(8, 3, DISCONNECTED_SEED))
-    cut = nx_graph(10, 3, CUT_SEED)
-    assert nx.is_connected(cut) and not nx.is_connected(cut.subgraph(range(1, 10)))
-    assert nx.number_connected_components(nx_graph(4, 1, bytes(32))) == 2  # a matching
+    assert components(8, 3, DISCONNECTED_SEED) == 2
+    assert components(10, 3, CUT_SEED) == 1 and components(10, 3, CUT_SEED, (0,)) == 2
+    assert components(10, 3, CUT_SEED, (1,)) == 1
+    assert components(4, 1, bytes(32)) == 2  # a perfect matching
 
 
 HOSTILE_SETUPS = [
@@ -86,7 +91,7 @@ def test_the_server_refuses_to_run_a_session_below_policy(config, fragment):
 @pytest.mark.parametrize(("n", "k", "t"), [(3, 2, 2), (4, 3, 2), (8, 3, 2), (10, 4, 3)])
 def test_smallest_conforming_setups_are_accepted(n, k, t):
     config = SecAggConfig.create(range(1, n + 1), DIM, k=k, t=t)
-    assert nx.is_connected(nx_graph(n, k, config.seed))
+    assert components(n, k, config.seed) == 1
     for c in config.participants:
         SecAggClient(c).handle(encode_setup(config, c))
     SecAggServer(config)
@@ -121,7 +126,7 @@ def test_create_draws_again_until_the_graph_is_connected(monkeypatch):
     monkeypatch.setattr(params.os, "urandom", lambda size: next(draws))
     config = SecAggConfig.create(range(1, 9), DIM, k=3, t=2)
     assert config.seed == CUT_SEED[:16] * 2
-    assert nx.is_connected(nx_graph(8, 3, config.seed))
+    assert components(8, 3, config.seed) == 1
     kept = SecAggConfig.create(range(1, 9), DIM, k=3, t=2, seed=DISCONNECTED_SEED)
     assert kept.seed == DISCONNECTED_SEED  # an explicit seed is kept (and then refused)
 
@@ -294,3 +299,23 @@ def test_a_session_at_the_policy_minimum_sums_exactly(make_inputs, exact_sum):
     total, server = run_secagg_round(inputs, k=3, t=2)
     assert server.status is Status.COMPLETED
     np.testing.assert_array_equal(total, exact_sum(inputs, range(1, 9), 32))
+
+
+def test_the_default_corrupt_fraction_feeds_bells_bound_at_n_100():
+    # independently (scipy): the smallest k whose t = floor(k/2) + 1 keeps both
+    # n * P[Bin(k, 0.9) < t] <= 2^-20 (10% dropouts) and n * P[Bin(k, 0.05) >= t] <= 2^-40
+    from scipy.stats import binom
+
+    from privacy.secagg import default_k
+
+    def meets(n: int, k: int, gamma: float) -> bool:
+        t = k // 2 + 1
+        return (n * binom.cdf(t - 1, k, 0.9) <= 2.0**-20
+                and n * binom.sf(t - 1, k, gamma) <= 2.0**-40)
+
+    expected = next(k for k in range(3, 99) if meets(100, k, 0.05))
+    assert expected == 34 and not meets(100, 31, 0.05)  # 31: the bound at gamma = 0
+    assert default_k(100) == expected
+    assert SecAggConfig.create(range(1, 101), DIM).k == expected
+    assert default_k(100, corrupt_fraction=0.1) == next(k for k in range(3, 99)
+                                                         if meets(100, k, 0.1))

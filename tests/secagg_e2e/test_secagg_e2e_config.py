@@ -18,6 +18,10 @@ def test_defaults_and_graph_choices():
     assert SecAggScenarioConfig(corrupt_fraction=0.1).graph(100) == (56, 29)
     assert SecAggScenarioConfig(corrupt_fraction=0.01).graph(100) == (31, 16)
     assert s.graph(3) == (2, 2)  # three clients: the full graph, all three needed
+    for n, least in ((2, 3), (4, 5)):  # e.g. a Poisson cohort or the nodes left online
+        with pytest.raises(ValueError, match=f"at least secagg.min_survivors = {least} "
+                                             f"participants per round, got {n}"):
+            SecAggScenarioConfig(min_survivors=least).graph(n)
     assert s.graph(10) == (9, 5)  # no sparser graph meets the bounds: full SecAgg
     assert SecAggScenarioConfig(neighbors="full").graph(50) == (49, 25)
     assert SecAggScenarioConfig(neighbors=3).graph(100) == (3, 2)
