@@ -103,7 +103,8 @@ class SecAggPolicy:
     def survivors_violation(self, count: int) -> str | None:
         """Why a sum of ``count`` clients must not be revealed, or None."""
         if count < self.min_survivors:
-            return (f"{count} survivors, fewer than the minimum {self.min_survivors}: "
+            noun = "survivor" if count == 1 else "survivors"
+            return (f"{count} {noun}, fewer than the minimum {self.min_survivors}: "
                     "the sum would expose too few clients' inputs")
         return None
 
