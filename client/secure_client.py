@@ -40,6 +40,15 @@ chunks without protobuf-encoding the payload. On the in-process engine the quant
 input and the masked vector stay in reused buffers (``privacy.secagg.buffers``) that the
 state and the reply share instead of copying.
 
+Every client checks the session it is sent against its own secure-aggregation policy
+(``privacy.secagg.policy``): a SETUP with k < 3 (not the full graph), a disconnected
+graph, t <= k/2 or fewer participants than ``min_survivors`` is refused before the client
+trains, and so is an unmask request listing fewer than ``min_survivors`` survivors. The
+refusal is an error reply naming the rule; the server counts it as a dropout and stores
+the reason. The minimums are the policy's defaults, raised (never lowered) by the node
+config ``secagg-min-neighbors`` and ``secagg-min-survivors`` (integers); nothing the
+server sends changes them.
+
 A large update is quantized, and its masks expanded, on ``mask-threads`` threads (node
 config, an integer >= 1; default 1). A SuperNode with cores to spare sets it
 (``flower-supernode --node-config "mask-threads=4"``); the in-process engine, which runs
@@ -64,7 +73,7 @@ from client import wire
 from client.compression import CompressionRequest, select_shared
 from privacy.dp import DistributedDPPlan, clip_l2, distributed_encode
 from privacy.dp.distributed import clip_l2_exact
-from privacy.secagg import ProtocolError, SecAggClient, Stage
+from privacy.secagg import DEFAULT_POLICY, ProtocolError, SecAggClient, SecAggPolicy, Stage
 from privacy.secagg.buffers import POOL
 from privacy.secagg.messages import decode_setup, read_header
 from privacy.secagg.params import word_dtype
@@ -280,6 +289,27 @@ def mask_threads(context: Context) -> int:
     return value
 
 
+MIN_NEIGHBORS_KEY = "secagg-min-neighbors"  # node config: raise the policy's minimum k
+MIN_SURVIVORS_KEY = "secagg-min-survivors"  # node config: raise the policy's min_survivors
+
+
+def client_policy(context: Context) -> SecAggPolicy:
+    """This node's secure-aggregation policy: the default, with the minimums its node config
+    raises (``secagg-min-neighbors``, ``secagg-min-survivors``); ValueError for a value
+    below the default, which a node can never lower."""
+    raised = {}
+    for key, name in ((MIN_NEIGHBORS_KEY, "min_neighbors"), (MIN_SURVIVORS_KEY, "min_survivors")):
+        if key in context.node_config:
+            raised[name] = context.node_config[key]
+    if not raised:
+        return DEFAULT_POLICY
+    try:
+        return DEFAULT_POLICY.raised(**raised)
+    except ValueError as exc:
+        raise ValueError(f"node config {MIN_NEIGHBORS_KEY} / {MIN_SURVIVORS_KEY}: {exc}") \
+            from None
+
+
 def _partition(context: Context) -> int:
     pid = context.node_config.get("partition-id")
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else int(context.node_id)
@@ -354,7 +384,9 @@ class SecureClient:
         if drop is Stage.ADVERTISE_KEYS:
             raise InjectedDropout("simulated dropout at stage advertise_keys")
         setup = decode_setup(payload)[1]
-        session = SecAggClient(int(context.node_id), run_id=s[RUN], round_id=s[ROUND])
+        session = SecAggClient(int(context.node_id), run_id=s[RUN], round_id=s[ROUND],
+                               policy=client_policy(context))
+        reply = session.handle(payload)  # refuses a session below policy before training
         update = local_update()
         distributed, dp_clip = dp_settings(msg.content[RECORD])
         sparse = shared_request(msg.content[RECORD])
@@ -385,7 +417,6 @@ class SecureClient:
             quantize_into(delta, weight, clip_range=s[CLIP], scale=s[SCALE],
                           max_weight=s[MAX_WEIGHT], rounding=s[ROUNDING], out=quantized,
                           rng=rng, factor=factor, threads=mask_threads(context))
-        reply = session.handle(payload)
         context.state[INPUT] = _input_record(quantized, context)
         self._save(context, session, s, seed, pid, drop)
         return Message(RecordDict({RECORD: ConfigRecord({MSG: bytes(reply)})}), reply_to=msg)
@@ -403,7 +434,8 @@ class SecureClient:
         stage = REPLY_STAGE[kind]
         if isinstance(drop, int) and not isinstance(drop, bool) and 0 <= drop <= stage:
             raise InjectedDropout(f"simulated dropout at stage {Stage(drop).name.lower()}")
-        session = SecAggClient.from_state(stored["state"], threads=mask_threads(context))
+        session = SecAggClient.from_state(stored["state"], threads=mask_threads(context),
+                                          policy=client_policy(context))
         if kind is MsgType.FORWARDED_SHARES:
             record = context.state.get(INPUT)
             if not isinstance(record, ArrayRecord) or "input" not in record:

@@ -54,9 +54,11 @@ class RingStage:
 
     def __call__(self, session: SecAggServer, outbox: dict[int, bytes]) -> None:
         members = [n for n in self.order if n in outbox]  # ring order, still in the protocol
-        if len(members) < 2:
-            self.failure = (f"{len(members)} silo(s) left after the key stages: a ring of "
-                            "one would show its masked vector")
+        least = max(2, session.policy.min_survivors)
+        if len(members) < least:
+            self.failure = (f"{len(members)} silo(s) left after the key stages, fewer than "
+                            f"secagg.min_survivors = {least}: no ring is formed and no sum "
+                            "revealed")
             return
         rings = self.driver.ring_records(self.run_id, self.rnd, members,
                                          **{BITS_KEY: session.config.bits})

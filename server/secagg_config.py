@@ -6,10 +6,15 @@ delta, and the server learns only the sum over the round's survivors (see
 ``server.secure_round`` and ``client.secure_client``). Keys:
 
 - ``neighbors``: "auto" (the smallest degree k that keeps the failure and leak
-  probabilities below 2^-20 and 2^-40, ``privacy.secagg.default_k``), "full" (k = n-1:
-  SecAgg of Bonawitz et al.) or an integer k (raised by one when n*k is odd, at most n-1);
-- ``threshold``: a fraction f in (0, 1) (t = floor(f*k) + 1, a strict majority at 0.5)
-  or an integer count t <= k;
+  probabilities below 2^-20 and 2^-40, ``privacy.secagg.default_k``, at least 3), "full"
+  (k = n-1: SecAgg of Bonawitz et al.) or an integer k >= 3 (raised by one when n*k is
+  odd, at most n-1);
+- ``threshold``: a fraction f in [0.5, 1) (t = floor(f*k) + 1, a strict majority) or an
+  integer count t with k/2 < t <= k;
+- ``min_survivors`` (>= 3, default 3): no sum of fewer clients is ever revealed; the
+  round aborts before any unmasking share is requested;
+- ``corrupt_fraction`` (default 0.05, ``privacy.secagg.policy``): the fraction of
+  clients assumed to collude with the server when "auto" picks k;
 - ``bits``: the modulus 2^bits of the masked sums; ``clip_range``: each coordinate of
   a delta is clipped to [-clip_range, clip_range]; ``max_weight``: a client's weight is
   min(num_examples, max_weight) (1 with ``aggregation.weight_by = "uniform"``);
@@ -18,6 +23,10 @@ delta, and the server learns only the sum over the round's survivors (see
 - ``dropout`` (simulations): each participating client vanishes with this probability,
   at ``dropout_stage`` ("random", or advertise_keys, share_keys, masked_input or
   unmasking), decided by ``client.secure_client.dropout_stage``.
+
+The settings can only be as strict as ``privacy.secagg.policy`` or stricter: weaker
+ones fail at start naming the key and its minimum, and every client checks the session
+it is sent against its own policy.
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ from typing import Any
 
 from client.secure_client import STAGE_NAMES
 from privacy.secagg import check_headroom, default_k, default_threshold, max_scale
+from privacy.secagg.policy import (
+    DEFAULT_CORRUPT_FRACTION,
+    MIN_NEIGHBORS,
+    MIN_SURVIVORS,
+    SecAggPolicy,
+)
 from privacy.secagg.quantize import max_level
 from server.driver_config import FEDASYNC_SECAGG
 
@@ -51,21 +66,48 @@ class SecAggScenarioConfig:
     rounding: str = "nearest"
     dropout: float = 0.0
     dropout_stage: str = "random"
+    min_survivors: int = MIN_SURVIVORS
+    corrupt_fraction: float = DEFAULT_CORRUPT_FRACTION
 
     def __post_init__(self) -> None:
         k, t = self.neighbors, self.threshold
         if k is None:
             object.__setattr__(self, "neighbors", "auto")
-        elif isinstance(k, bool) or not (k in ("auto", "full")
-                                         or (isinstance(k, int) and k >= 1)):
-            raise ValueError(f"secagg.neighbors must be 'auto', 'full' or an integer k >= 1, "
-                             f"got {k!r}")
+        elif isinstance(k, bool) or not (k in ("auto", "full") or isinstance(k, int)):
+            raise ValueError(f"secagg.neighbors must be 'auto', 'full' or an integer k >= "
+                             f"{MIN_NEIGHBORS}, got {k!r}")
+        elif isinstance(k, int) and k < MIN_NEIGHBORS:
+            raise ValueError(f"secagg.neighbors = {k} is below the minimum {MIN_NEIGHBORS}: "
+                             "with fewer neighbours the server can rebuild small groups' sums "
+                             "(k = 1 pairs the clients, k = 2 makes cycles); set "
+                             f"secagg.neighbors >= {MIN_NEIGHBORS}, 'auto' or 'full'")
         if t is None:
             object.__setattr__(self, "threshold", DEFAULT_THRESHOLD)
-        elif isinstance(t, bool) or not ((isinstance(t, float) and 0 < t < 1)
-                                         or (isinstance(t, int) and t >= 1)):
-            raise ValueError(f"secagg.threshold must be a fraction in (0, 1) or an integer "
-                             f"count >= 1, got {t!r}")
+        elif isinstance(t, bool) or not (isinstance(t, float | int) and t > 0) or \
+                (isinstance(t, float) and t >= 1):
+            raise ValueError(f"secagg.threshold must be a fraction in [{DEFAULT_THRESHOLD}, 1) "
+                             f"or an integer count >= 2, got {t!r}")
+        elif isinstance(t, float) and t < DEFAULT_THRESHOLD:
+            raise ValueError(f"secagg.threshold = {t} is below the minimum fraction "
+                             f"{DEFAULT_THRESHOLD}: t = floor({t}*k) + 1 is then at most half "
+                             "of the k neighbours for some k, and two disjoint groups of "
+                             "neighbours could each rebuild a secret; set secagg.threshold "
+                             f"to a fraction in [{DEFAULT_THRESHOLD}, 1)")
+        elif isinstance(t, int) and t < 2:
+            raise ValueError(f"secagg.threshold = {t} is below the minimum 2 (and must be more "
+                             "than half of the neighbours k): with t = 1 each share is the "
+                             "secret itself; set secagg.threshold >= 2 or a fraction >= "
+                             f"{DEFAULT_THRESHOLD}")
+        m = self.min_survivors
+        if isinstance(m, bool) or not isinstance(m, int) or m < MIN_SURVIVORS:
+            raise ValueError(f"secagg.min_survivors = {m!r} is below the minimum "
+                             f"{MIN_SURVIVORS}: a sum of fewer clients exposes too much of "
+                             f"each; set secagg.min_survivors to an integer >= {MIN_SURVIVORS}")
+        cf = self.corrupt_fraction
+        if isinstance(cf, bool) or not isinstance(cf, float | int) or not 0 < cf < 1:
+            raise ValueError(f"secagg.corrupt_fraction must be in (0, 1) (the fraction of "
+                             f"clients assumed to collude with the server; default "
+                             f"{DEFAULT_CORRUPT_FRACTION}), got {cf!r}")
         if not 8 <= self.bits <= 64:
             raise ValueError(f"secagg.bits must be in [8, 64], got {self.bits}")
         if not self.clip_range > 0 or not self.max_weight > 0 or not self.scale >= 0:
@@ -88,18 +130,26 @@ class SecAggScenarioConfig:
         """The largest client weight: ``max_weight``, or 1 for uniform weights."""
         return 1.0 if weight_by == "uniform" else float(self.max_weight)
 
+    @property
+    def policy(self) -> SecAggPolicy:
+        """The policy the server's sessions meet (clients check their own)."""
+        return SecAggPolicy(min_survivors=self.min_survivors,
+                            corrupt_fraction=float(self.corrupt_fraction))
+
     def graph(self, n: int) -> tuple[int, int]:
         """(k, t) for a round with ``n`` participants; ValueError if none fits."""
-        if n < 2:
-            raise ValueError(f"secure aggregation needs at least 2 participants, got {n}")
+        if n < self.min_survivors:
+            raise ValueError(f"secure aggregation needs at least secagg.min_survivors = "
+                             f"{self.min_survivors} participants per round, got {n}")
         t_count = self.threshold if isinstance(self.threshold, int) else None
         fraction = DEFAULT_THRESHOLD if t_count is not None else float(self.threshold)
         if self.neighbors == "full":
             k = n - 1
         elif self.neighbors == "auto":
             k = default_k(n, dropout_fraction=max(PLANNED_DROPOUT, self.dropout),
+                          corrupt_fraction=float(self.corrupt_fraction),
                           threshold_fraction=fraction)
-            k = max(k, t_count or 1)
+            k = max(k, t_count or 1, MIN_NEIGHBORS)
         else:
             k = max(int(self.neighbors), t_count or 1)
         k = min(k, n - 1)
@@ -109,6 +159,10 @@ class SecAggScenarioConfig:
         if t > k:
             raise ValueError(f"secagg.threshold = {t} exceeds the {k} neighbours a client has "
                              f"among {n} participants")
+        if 2 * t <= k:
+            raise ValueError(f"secagg.threshold = {t} is not more than half of the {k} "
+                             f"neighbours a client has among {n} participants: set it to at "
+                             f"least {k // 2 + 1}, or to a fraction >= {DEFAULT_THRESHOLD}")
         return k, t
 
     def scale_for(self, n: int, weight_by: str) -> float:
@@ -152,13 +206,15 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
     if dict(config.get("clients", {})).get("offline_fraction", 0):
         raise ValueError("secagg does not simulate clients going offline through "
                          "clients.offline_fraction; set it to 0 and use secagg.dropout")
-    n = max_round_size(config)
-    if kind == "fedbuff" and n < 2:  # one secure sum per buffer of buffer_size updates
+    n, least = max_round_size(config), cfg.min_survivors
+    if kind == "fedbuff" and n < least:  # one secure sum per buffer of buffer_size updates
         raise ValueError(f"secure FedBuff sums each buffer under secagg, which needs at "
-                         f"least 2 updates: raise driver.buffer_size (got {n}) to >= 2")
-    if n < 2:
-        raise ValueError(f"secagg needs at least 2 clients per round, the federation samples "
-                         f"{n}")
+                         f"least secagg.min_survivors = {least} updates: raise "
+                         f"driver.buffer_size (got {n}) to >= {least}")
+    if n < least:
+        raise ValueError(f"secagg needs at least secagg.min_survivors = {least} clients per "
+                         f"round, the federation samples {n}: raise federation.clients or "
+                         "federation.sample_fraction")
     cfg.graph(n)  # e.g. a threshold count above k
     if mode == "distributed":  # no fixed-point encoding: the DP plan checks the headroom
         return cfg

@@ -9,11 +9,15 @@ with the deadline ``federation.round_timeout_s``:
     query.secagg  UNMASK_REQUEST         -> UNMASK_RESPONSE
 
 A node that does not answer in time, or answers with an error, is a dropout of that
-stage. ``privacy.secagg.SecAggServer`` decides the rest: it recovers the exact sum of
-the survivors' quantized inputs, or aborts without asking for any share that could
-reveal an input. The sum is decoded into sum(w_i * clip(delta_i)) and sum(w_i), and
-the mean (or the sum, for ``combine = "sum"``) goes through the pipeline's server
-optimizer like any other aggregate. An aborted round leaves the model unchanged.
+stage; a client that refuses a session below its policy (``privacy.secagg.policy``)
+answers with an error naming the rule, which its update record keeps. The session meets
+``settings.policy``: fewer than ``secagg.min_survivors`` survivors abort the round
+before any unmasking share is requested. ``privacy.secagg.SecAggServer`` decides the
+rest: it recovers the exact sum of the survivors' quantized inputs, or aborts without
+asking for any share that could reveal an input. The sum is decoded into
+sum(w_i * clip(delta_i)) and sum(w_i), and the mean (or the sum, for ``combine =
+"sum"``) goes through the pipeline's server optimizer like any other aggregate. An
+aborted round leaves the model unchanged.
 
 Top-k on a shared pattern (``server.compression.SharedPattern``): the SETUP record also
 carries the compression request, the clients mask only the round's ``k`` coordinates
@@ -190,7 +194,8 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     sent = sparse.indices.size if sparse is not None else dim  # coordinates under the masks
     words = plan.padded_dim if plan is not None else sent + 1
     server = SecAggServer(SecAggConfig.create(participants, words, bits=settings.bits, k=k,
-                                              t=t, run_id=session, round_id=rnd))
+                                              t=t, run_id=session, round_id=rnd),
+                          settings.policy)
     setup = ConfigRecord({sc.RUN: session, sc.ROUND: rnd, sc.SCALE: scale,
                           sc.CLIP: settings.clip_range, sc.MAX_WEIGHT: cap,
                           sc.WEIGHT_BY: weight_by, sc.ROUNDING: settings.rounding,

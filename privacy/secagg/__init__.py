@@ -10,6 +10,7 @@ from privacy.secagg.client import SecAggClient
 from privacy.secagg.driver import run_secagg_round
 from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.params import SecAggConfig, default_k, default_threshold
+from privacy.secagg.policy import DEFAULT_POLICY, MECHANICS_ONLY, SecAggPolicy
 from privacy.secagg.quantize import (
     check_headroom,
     dequantize,
@@ -22,10 +23,13 @@ from privacy.secagg.server import SecAggServer, Status
 from privacy.secagg.stages import Stage
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "MECHANICS_ONLY",
     "Aborted",
     "ProtocolError",
     "SecAggClient",
     "SecAggConfig",
+    "SecAggPolicy",
     "SecAggServer",
     "Stage",
     "Status",

@@ -9,8 +9,12 @@ Flow (one call of :meth:`SecAggClient.handle` per server message)::
     UNMASK_REQUEST   -> UNMASK_RESPONSE  b-shares of survivors, s^SK-shares of dropped peers
 
 Any message that breaks the protocol raises :class:`ProtocolError` and leaves the
-state unchanged; in particular a request that would reveal both shares of one
-peer (in one request or across several) is refused. The state can be saved
+state unchanged, and so does a session below the client's own policy
+(:mod:`privacy.secagg.policy`: k >= 3 or the full graph, a connected graph, t > k/2,
+checked on SETUP; no unmasking share unless the request lists at least
+``min_survivors - 1`` surviving neighbours besides this client); in particular a
+request that would reveal both shares of one peer (in one request or across several)
+is refused. The state can be saved
 between messages with :meth:`export_state` (it holds secrets: keep it local). It
 keeps only what the next stages need, already derived: after PUBLIC_KEYS the two
 private keys are gone and each neighbour's share-decryption key and pair-mask seed
@@ -33,6 +37,7 @@ from privacy.secagg.errors import ProtocolError
 from privacy.secagg.graph import regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
 from privacy.secagg.params import SecAggConfig
+from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import SHARE_BYTES, split_secret
 from privacy.secagg.stages import Stage
@@ -53,15 +58,17 @@ class SecAggClient:
     replayed from another round is refused; all later messages must match it too.
     ``stage`` is the stage of the last message this client sent (SETUP: none yet).
     ``threads``: how many threads expand the masks (a local resource, not kept in the
-    state; the masked vector is the same whatever it is).
+    state; the masked vector is the same whatever it is). ``policy``: this client's own
+    minimums (never taken from the server; not kept in the state either).
     """
 
     def __init__(
         self, client_id: int, *, run_id: int | None = None, round_id: int | None = None,
-        threads: int = 1,
+        threads: int = 1, policy: SecAggPolicy = DEFAULT_POLICY,
     ) -> None:
         self.client_id = client_id
         self.threads = threads
+        self.policy = policy
         self.expected_run_id = run_id
         self.expected_round_id = round_id
         self.stage = Stage.SETUP
@@ -175,6 +182,9 @@ class SecAggClient:
         h, m = msg.decode_unmask_request(payload)
         self._check_header(h)
         survivors, dropped = set(m.survivors), set(m.dropped)
+        few = self.policy.survivors_violation(len(survivors - {self.client_id}) + 1)
+        if few is not None:  # this client sees its surviving neighbours, and itself
+            raise ProtocolError(f"unmask request refused: {few}")
         both = survivors & dropped
         if both:
             raise ProtocolError(
@@ -214,6 +224,7 @@ class SecAggClient:
             )
         if self.client_id not in config.positions:
             raise ProtocolError("this client is not among the participants")
+        self.policy.check(config)
         graph = regular_graph(config.n, config.k, config.seed)
         ids = config.participants
         self.neighbours = frozenset(ids[j] for j in graph[config.positions[self.client_id]])
@@ -328,18 +339,19 @@ class SecAggClient:
         return b"".join(parts)
 
     @classmethod
-    def from_state(cls, data: bytes, *, threads: int = 1) -> SecAggClient:
-        """Rebuild a client from :meth:`export_state` (``threads``: as in the constructor);
-        ProtocolError if malformed."""
+    def from_state(cls, data: bytes, *, threads: int = 1,
+                   policy: SecAggPolicy = DEFAULT_POLICY) -> SecAggClient:
+        """Rebuild a client from :meth:`export_state` (``threads``, ``policy``: as in the
+        constructor); ProtocolError if malformed."""
         try:
-            client = cls._from_state(bytes(data))
+            client = cls._from_state(bytes(data), policy)
         except (struct.error, ValueError, KeyError, IndexError) as exc:
             raise ProtocolError(f"malformed client state: {exc}") from None
         client.threads = threads
         return client
 
     @classmethod
-    def _from_state(cls, data: bytes) -> SecAggClient:
+    def _from_state(cls, data: bytes, policy: SecAggPolicy) -> SecAggClient:
         magic, version, stage, cid, flags, run_id, round_id = _STATE_HEAD.unpack_from(data)
         if magic != _STATE_MAGIC or version != _STATE_VERSION:
             raise ProtocolError("not a client state of this version")
@@ -352,7 +364,8 @@ class SecAggClient:
             blobs.append(data[pos + 4 : pos + 4 + size])
             pos += 4 + size
         client = cls(
-            cid, run_id=run_id if flags & 1 else None, round_id=round_id if flags & 2 else None
+            cid, run_id=run_id if flags & 1 else None, round_id=round_id if flags & 2 else None,
+            policy=policy,
         )
         client.stage = Stage(stage)
         setup, secrets, peers, held = blobs

@@ -15,6 +15,7 @@ import numpy as np
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.params import SecAggConfig
+from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.server import SecAggServer, Status
 from privacy.secagg.stages import Stage
 
@@ -38,6 +39,7 @@ def run_secagg_round(
     intercept: Intercept | None = None,
     client_errors: dict[int, str] | None = None,
     client_seconds: dict[int, float] | None = None,
+    policy: SecAggPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray | None, SecAggServer]:
     """Run one round; returns (sum mod 2^bits, server), or (None, server) if aborted.
 
@@ -46,7 +48,8 @@ def run_secagg_round(
     later (Stage.UNMASKING: it masks its input but never answers the unmask
     request). A client that refuses a server message (ProtocolError) is silent from
     then on; its reason goes to ``client_errors``. ``client_seconds`` receives each
-    client's total time in :meth:`SecAggClient.handle`.
+    client's total time in :meth:`SecAggClient.handle`. ``policy`` is both the server's
+    and every client's (ValueError if the configuration is below it).
     """
     n = len(inputs)
     ids = list(ids) if ids is not None else list(range(1, n + 1))
@@ -55,8 +58,9 @@ def run_secagg_round(
     config = SecAggConfig.create(
         ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed
     )
-    server = SecAggServer(config)
-    clients = {c: SecAggClient(c, run_id=run_id, round_id=round_id) for c in ids}
+    server = SecAggServer(config, policy)
+    clients = {c: SecAggClient(c, run_id=run_id, round_id=round_id, policy=policy)
+               for c in ids}
     for c, x in zip(ids, inputs, strict=True):
         clients[c].set_input(x)
     silent: set[int] = set()

@@ -24,8 +24,11 @@ gamma), so k grows like (failure_bits*ln 2 + ln n) / D = O(log n), as in Bell et
 Their third condition, that the graph on honest survivors stays connected (so the
 masks of different components do not cancel separately), holds with high
 probability for random regular graphs once (1-delta-gamma)*k = Omega(log n); it is
-not computed here. When no k < n-1 satisfies 1-2, k = n-1: full SecAgg
-(Bonawitz et al., CCS 2017).
+not computed here; instead :meth:`SecAggConfig.create` draws its seed until the graph
+is connected, and the policy (:mod:`privacy.secagg.policy`) refuses a disconnected one.
+When no k < n-1 satisfies 1-2, k = n-1: full SecAgg (Bonawitz et al., CCS 2017).
+``corrupt_fraction`` defaults to :data:`privacy.secagg.policy.DEFAULT_CORRUPT_FRACTION`
+(0.05; why, and what it costs in k, is documented there).
 """
 
 from __future__ import annotations
@@ -39,10 +42,13 @@ from itertools import pairwise
 
 import numpy as np
 
+from privacy.secagg.policy import DEFAULT_CORRUPT_FRACTION, MIN_NEIGHBORS, graph_connected
+
 MAX_CLIENTS = 1 << 20
 MAX_DIM = 1 << 34
 MAX_BITS = 64
 SEED_BYTES = 32
+_MAX_SEED_DRAWS = 64
 
 
 def default_threshold(k: int, threshold_fraction: float = 0.5) -> int:
@@ -84,7 +90,7 @@ def default_k(
     n: int,
     *,
     dropout_fraction: float = 0.1,
-    corrupt_fraction: float = 0.0,
+    corrupt_fraction: float = DEFAULT_CORRUPT_FRACTION,
     threshold_fraction: float = 0.5,
     failure_bits: int = 20,
     security_bits: int = 40,
@@ -175,18 +181,34 @@ class SecAggConfig:
         k: int | None = None,
         t: int | None = None,
         dropout_fraction: float = 0.1,
+        corrupt_fraction: float = DEFAULT_CORRUPT_FRACTION,
         run_id: int = 0,
         round_id: int = 0,
         seed: bytes | None = None,
     ) -> SecAggConfig:
-        """Sort the ids, fill in default k and t, draw a fresh public seed."""
+        """Sort the ids, fill in default k and t, draw a fresh public seed.
+
+        The default k is at least ``MIN_NEIGHBORS`` (3) or the full graph; with k >= 3 a
+        drawn seed is drawn again until its graph is connected (a given ``seed`` is kept
+        as is)."""
         ids = tuple(sorted(int(c) for c in participants))
         n = len(ids)
         if k is None:
-            k = default_k(n, dropout_fraction=dropout_fraction) if n >= 2 else 1
+            k = default_k(n, dropout_fraction=dropout_fraction,
+                          corrupt_fraction=corrupt_fraction) if n >= 2 else 1
+            k = min(max(k, MIN_NEIGHBORS), n - 1) if n >= 2 else k
+            k += (n * k) % 2  # n*k even; k = n-1 never needs it
         if t is None:
             t = default_threshold(k)
-        return cls(ids, k, t, bits, dim, run_id, round_id, seed or os.urandom(SEED_BYTES))
+        if seed is None:
+            for _ in range(_MAX_SEED_DRAWS):
+                seed = os.urandom(SEED_BYTES)
+                if not MIN_NEIGHBORS <= k <= n - 1 or (n * k) % 2 or \
+                        graph_connected(n, k, seed):
+                    break  # (a k below the policy is for tests, or refused later)
+            else:  # pragma: no cover - k >= 3 regular graphs are connected w.h.p.
+                raise RuntimeError(f"no connected {k}-regular graph on {n} nodes drawn")
+        return cls(ids, k, t, bits, dim, run_id, round_id, seed)
 
 
 def word_dtype(bits: int) -> np.dtype:

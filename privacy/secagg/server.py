@@ -22,9 +22,13 @@ Not checkable without signatures: a masked vector or public key altered in
 transit, so channels must be authenticated (e.g. TLS), as in Bonawitz et al.'s
 honest-but-curious setting.
 
-Before asking for any share in stage 4 the session checks that every secret it
-will need has at least t holders among the survivors; otherwise it aborts
-without asking, so an aborted round reveals nothing. It aborts in stage 4 if
+The session meets a policy (:mod:`privacy.secagg.policy`, strict by default): its
+configuration must (ValueError otherwise), and it aborts as soon as fewer than
+``min_survivors`` clients are left in the protocol. Before asking for any share in
+stage 4 it checks that at least ``min_survivors`` clients survive, that the graph on
+the survivors is connected (else the server would learn each component's sum), and
+that every secret it will need has at least t holders among the survivors; otherwise
+it aborts without asking, so an aborted round reveals nothing. It aborts in stage 4 if
 responders drop so that fewer than t shares of a needed secret arrive.
 
 Cost: masked vectors are added into one running sum as they arrive (a sender
@@ -47,6 +51,7 @@ from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.graph import regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
 from privacy.secagg.params import SecAggConfig
+from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy, component_of
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
 from privacy.secagg.stages import REPLY_TYPE, Stage
@@ -62,8 +67,12 @@ class Status(Enum):
 class SecAggServer:
     """One round of secure aggregation, server side."""
 
-    def __init__(self, config: SecAggConfig) -> None:
+    def __init__(self, config: SecAggConfig, policy: SecAggPolicy = DEFAULT_POLICY) -> None:
+        why = policy.violation(config)
+        if why is not None:
+            raise ValueError(f"session below the secure-aggregation policy: {why}")
         self.config = config
+        self.policy = policy
         ids = config.participants
         graph = regular_graph(config.n, config.k, config.seed)
         self.neighbours: dict[int, frozenset[int]] = {
@@ -327,7 +336,18 @@ class SecAggServer:
         self.survivors = survivors
         if not survivors:
             raise Aborted("no client sent a valid masked input")
+        few = self.policy.survivors_violation(len(survivors))
+        if few is not None:
+            raise Aborted(f"{few}; no share was requested")
         self._masked_with = {u: self._forwarded[u] - set(inputs[u].failed) for u in survivors}
+        if self.policy.require_connected:
+            links = {u: self._masked_with[u] & survivors for u in survivors}
+            part = component_of(min(survivors), links)
+            if len(part) < len(survivors):
+                raise Aborted(f"the survivors' graph is disconnected ({len(part)} of "
+                              f"{len(survivors)} clients reachable from client "
+                              f"{min(survivors)}): each part's sum would be revealed; "
+                              "no share was requested")
         holders: dict[int, list[int]] = {}
         for w in sorted(survivors):
             for v in self._masked_with[w]:
@@ -464,7 +484,8 @@ class SecAggServer:
             np.subtract(self._sum, vector, out=self._sum)
 
     def _prune(self, active: set[int], what: str) -> set[int]:
-        """Leave out clients with fewer than t neighbours in ``active``, until stable."""
+        """Leave out clients with fewer than t neighbours in ``active``, until stable; abort
+        when fewer than the policy's ``min_survivors`` are left."""
         t = self.config.t
         changed = True
         while changed:
@@ -480,7 +501,13 @@ class SecAggServer:
                     changed = True
         if not active:
             raise Aborted(f"no client has {t} neighbours left after stage {self.stage.name}")
+        self._check_left(active)
         return active
+
+    def _check_left(self, active: set[int]) -> None:
+        few = self.policy.survivors_violation(len(active))
+        if few is not None:
+            raise Aborted(f"after stage {self.stage.name}: {few}; no share was requested")
 
     def _open(self, stage: Stage, expected: set[int]) -> None:
         self.stage = stage

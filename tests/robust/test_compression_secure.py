@@ -90,7 +90,7 @@ def test_masked_words_are_the_narrowest_that_hold_bits(bits, dtype):
             seen[src] = decode_masked_input(payload)[1].vector.copy()
         return payload
 
-    total, _ = run_secagg_round(inputs, k=2, t=1, bits=bits, intercept=spy)
+    total, _ = run_secagg_round(inputs, k=3, t=2, bits=bits, intercept=spy)
     assert sorted(seen) == [1, 2, 3, 4]
     assert all(v.dtype == np.dtype(dtype) and v.size == 300 for v in seen.values())
     exact = [sum(int(x[i]) for x in inputs) % (1 << bits) for i in range(300)]

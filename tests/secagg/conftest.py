@@ -7,18 +7,25 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from privacy.secagg import SecAggClient, SecAggConfig, SecAggServer
+from privacy.secagg import (
+    DEFAULT_POLICY,
+    SecAggClient,
+    SecAggConfig,
+    SecAggPolicy,
+    SecAggServer,
+)
 
 
 class Lockstep:
     """A round driven by hand: server, clients and the server's pending outbox."""
 
-    def __init__(self, inputs: Sequence[np.ndarray], **config_kwargs: object) -> None:
+    def __init__(self, inputs: Sequence[np.ndarray], *,
+                 policy: SecAggPolicy = DEFAULT_POLICY, **config_kwargs: object) -> None:
         ids = list(range(1, len(inputs) + 1))
         self.inputs = list(inputs)
         self.config = SecAggConfig.create(ids, int(inputs[0].size), **config_kwargs)
-        self.server = SecAggServer(self.config)
-        self.clients = {c: SecAggClient(c) for c in ids}
+        self.server = SecAggServer(self.config, policy)
+        self.clients = {c: SecAggClient(c, policy=policy) for c in ids}
         for c, x in zip(ids, inputs, strict=True):
             self.clients[c].set_input(x)
         self.outbox = self.server.start()

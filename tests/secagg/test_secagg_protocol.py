@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from privacy.secagg import (
+    DEFAULT_POLICY,
+    MECHANICS_ONLY,
     Aborted,
     SecAggClient,
     Stage,
@@ -20,8 +22,10 @@ from privacy.secagg.quantize import error_bound
 
 DIM = 1000
 DROP_STAGES = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING]
-# n -> (k, t, clients to drop); None = the defaults for n
-CASES = {2: (1, 1, [2]), 3: (2, 1, [3]), 10: (4, 2, [3, 8]), 50: (None, None, [4, 9, 17, 30, 44])}
+# n -> (k, t, clients to drop, policy); None = the defaults for n; n = 2 and 3 test the
+# mechanics below the policy (the default policy refuses them: test_secagg_policy.py)
+CASES = {2: (1, 1, [2], MECHANICS_ONLY), 3: (2, 1, [3], MECHANICS_ONLY),
+         10: (5, 3, [3, 8], DEFAULT_POLICY), 50: (None, None, [4, 9, 17, 30, 44], DEFAULT_POLICY)}
 
 
 def _in_sum(n: int, dropped: list[int], stage: Stage | None) -> list[int]:
@@ -33,11 +37,11 @@ def _in_sum(n: int, dropped: list[int], stage: Stage | None) -> list[int]:
 @pytest.mark.parametrize("n", sorted(CASES))
 @pytest.mark.parametrize("stage", [None, *DROP_STAGES], ids=lambda s: getattr(s, "name", "none"))
 def test_exact_sum_with_dropouts(n, stage, make_inputs, exact_sum):
-    k, t, dropped = CASES[n]
+    k, t, dropped, policy = CASES[n]
     bits = 32
     inputs = make_inputs(n, DIM, bits, seed=n)
     drop = {c: stage for c in dropped} if stage is not None else {}
-    total, server = run_secagg_round(inputs, k=k, t=t, bits=bits, drop=drop)
+    total, server = run_secagg_round(inputs, k=k, t=t, bits=bits, drop=drop, policy=policy)
     if n == 2 and stage is not None:
         # the lone survivor's secrets have no holder left: abort, reveal nothing
         assert total is None and server.status is Status.ABORTED
@@ -57,7 +61,7 @@ def test_exact_sum_with_dropouts(n, stage, make_inputs, exact_sum):
 def test_exact_sum_other_bit_widths(bits, make_inputs, exact_sum):
     inputs = make_inputs(6, 257, bits, seed=bits)
     total, server = run_secagg_round(
-        inputs, k=5, t=2, bits=bits, drop={2: Stage.MASKED_INPUT, 5: Stage.UNMASKING}
+        inputs, k=5, t=3, bits=bits, drop={2: Stage.MASKED_INPUT, 5: Stage.UNMASKING}
     )
     assert server.status is Status.COMPLETED
     assert total.dtype == (np.uint32 if bits <= 32 else np.uint64)
@@ -69,7 +73,7 @@ def test_exact_sum_other_bit_widths(bits, make_inputs, exact_sum):
     "stage", [None, Stage.SHARE_KEYS, Stage.UNMASKING], ids=lambda s: getattr(s, "name", "none")
 )
 def test_weighted_float_sum_within_quantization_bound(n, stage):
-    k, t, dropped = CASES[n]
+    k, t, dropped, policy = CASES[n]
     if n == 2 and stage is not None:
         pytest.skip("two clients cannot tolerate a dropout (covered above)")
     rng = np.random.default_rng(100 + n)
@@ -85,7 +89,8 @@ def test_weighted_float_sum_within_quantization_bound(n, stage):
         for u, w in zip(updates, weights, strict=True)
     ]
     drop = {c: stage for c in dropped} if stage is not None else {}
-    total, server = run_secagg_round(quantized, k=k, t=t, bits=bits, drop=drop)
+    total, server = run_secagg_round(quantized, k=k, t=t, bits=bits, drop=drop,
+                                     policy=policy)
     assert server.status is Status.COMPLETED
     ids = sorted(server.survivors)
     assert ids == _in_sum(n, dropped, stage)
@@ -158,7 +163,7 @@ def test_too_few_neighbours_after_key_stage_excludes_then_aborts(make_inputs):
 
 def test_dropped_at_masking_needs_its_key_not_its_seed(lockstep, make_inputs, exact_sum):
     inputs = make_inputs(6, 32, 32)
-    r = lockstep(inputs, k=5, t=2)
+    r = lockstep(inputs, k=5, t=3)
     r.step()
     r.step()
     r.step(skip=[6])
@@ -177,7 +182,7 @@ def test_client_state_survives_export_between_messages(make_inputs, exact_sum):
     from privacy.secagg import SecAggConfig, SecAggServer
 
     inputs = make_inputs(5, 100, 20)
-    config = SecAggConfig.create([1, 2, 3, 4, 5], 100, bits=20, k=4, t=2, run_id=7, round_id=3)
+    config = SecAggConfig.create([1, 2, 3, 4, 5], 100, bits=20, k=4, t=3, run_id=7, round_id=3)
     server = SecAggServer(config)
     states = {c: SecAggClient(c, run_id=7, round_id=3).export_state() for c in range(1, 6)}
     outbox = server.start()
@@ -200,7 +205,7 @@ def test_client_refuses_out_of_order_and_setup_of_other_round(make_inputs):
     from privacy.secagg import ProtocolError, SecAggConfig
     from privacy.secagg.messages import encode_setup
 
-    config = SecAggConfig.create([1, 2, 3], 10, k=2, t=1, round_id=5)
+    config = SecAggConfig.create([1, 2, 3], 10, k=2, t=2, round_id=5)
     with pytest.raises(ProtocolError, match="round 5, expected 4"):
         SecAggClient(1, round_id=4).handle(encode_setup(config, 1))
     with pytest.raises(ProtocolError, match="addressed to client 2"):
@@ -218,7 +223,7 @@ def test_restored_sessions_need_no_key_agreement_and_keep_no_private_key(
     from privacy.secagg import keys as kx
 
     inputs = make_inputs(5, 100, 32)
-    config = SecAggConfig.create([1, 2, 3, 4, 5], 100, k=4, t=2, run_id=2, round_id=1)
+    config = SecAggConfig.create([1, 2, 3, 4, 5], 100, k=4, t=3, run_id=2, round_id=1)
     server = SecAggServer(config)
     states = {c: SecAggClient(c).export_state() for c in range(1, 6)}
     private: dict[int, list[bytes]] = {}
@@ -251,7 +256,7 @@ def test_client_state_must_match_its_stage():
     from privacy.secagg import ProtocolError, SecAggConfig
     from privacy.secagg.messages import encode_setup
 
-    config = SecAggConfig.create([1, 2, 3], 10, k=2, t=1)
+    config = SecAggConfig.create([1, 2, 3], 10, k=2, t=2)
     client = SecAggClient(1)
     client.handle(encode_setup(config, 1))
     state = bytearray(client.export_state())

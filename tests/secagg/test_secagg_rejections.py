@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from privacy.secagg import ProtocolError, Stage, Status, run_secagg_round
+from privacy.secagg import MECHANICS_ONLY, ProtocolError, Stage, Status, run_secagg_round
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, RevealedShare, ShareKind, read_header
 
@@ -27,7 +27,7 @@ def _tamper_share_ciphertext(sender: int):
 
 def test_tampered_ciphertext_rejects_its_sender(make_inputs, exact_sum):
     inputs = make_inputs(N, DIM, 32)
-    total, server = run_secagg_round(inputs, k=N - 1, t=2, intercept=_tamper_share_ciphertext(3))
+    total, server = run_secagg_round(inputs, k=N - 1, t=3, intercept=_tamper_share_ciphertext(3))
     assert server.status is Status.COMPLETED
     assert "failed authentication (AES-GCM tag)" in server.rejected[3]
     assert 3 not in server.survivors
@@ -43,7 +43,7 @@ def test_message_replayed_from_another_round_or_run_is_rejected(make_inputs, exa
             captured[(src, read_header(payload).kind)] = payload
         return payload
 
-    run_secagg_round(inputs, k=N - 1, t=2, round_id=1, intercept=capture)
+    run_secagg_round(inputs, k=N - 1, t=3, round_id=1, intercept=capture)
 
     def replay(kind: MsgType, client: int):
         def hook(stage, src, dst, payload):
@@ -54,14 +54,14 @@ def test_message_replayed_from_another_round_or_run_is_rejected(make_inputs, exa
         return hook
 
     total, server = run_secagg_round(
-        inputs, k=N - 1, t=2, round_id=2, intercept=replay(MsgType.ADVERTISE_KEYS, 4)
+        inputs, k=N - 1, t=3, round_id=2, intercept=replay(MsgType.ADVERTISE_KEYS, 4)
     )
     assert "replayed or misdirected" in server.rejected[4]
     assert "round 1" in server.rejected[4]
     np.testing.assert_array_equal(total, exact_sum(inputs, [1, 2, 3, 5, 6], 32))
 
     total, server = run_secagg_round(
-        inputs, k=N - 1, t=2, run_id=9, round_id=1, intercept=replay(MsgType.MASKED_INPUT, 2)
+        inputs, k=N - 1, t=3, run_id=9, round_id=1, intercept=replay(MsgType.MASKED_INPUT, 2)
     )
     assert "replayed or misdirected" in server.rejected[2] and "run 0" in server.rejected[2]
     assert server.status is Status.COMPLETED
@@ -70,9 +70,9 @@ def test_message_replayed_from_another_round_or_run_is_rejected(make_inputs, exa
 
 def test_client_refuses_server_message_from_another_round(lockstep, make_inputs):
     inputs = make_inputs(3, DIM, 32)
-    old = lockstep(inputs, k=2, t=1, round_id=1)
+    old = lockstep(inputs, k=2, t=2, round_id=1)
     old.step()
-    new = lockstep(inputs, k=2, t=1, round_id=2)
+    new = lockstep(inputs, k=2, t=2, round_id=2)
     new.step()
     with pytest.raises(ProtocolError, match="round 1"):
         new.clients[1].handle(old.outbox[1])
@@ -80,7 +80,7 @@ def test_client_refuses_server_message_from_another_round(lockstep, make_inputs)
 
 def test_share_to_non_neighbour_rejects_sender(lockstep, make_inputs):
     inputs = make_inputs(8, DIM, 32)
-    r = lockstep(inputs, k=2, t=1)
+    r = lockstep(inputs, k=3, t=2)
     r.step()
     replies = r.deliver()
     nbrs = r.server.neighbours[1]
@@ -96,7 +96,7 @@ def test_share_to_non_neighbour_rejects_sender(lockstep, make_inputs):
 
 
 def test_client_refuses_share_from_non_neighbour(lockstep, make_inputs):
-    r = lockstep(make_inputs(8, DIM, 32), k=3, t=1)
+    r = lockstep(make_inputs(8, DIM, 32), k=3, t=2)
     r.step()
     r.step()
     stranger = min(set(range(2, 9)) - r.server.neighbours[1])
@@ -119,7 +119,7 @@ def test_client_refuses_share_from_unknown_sender(make_inputs, exact_sum):
             return m.encode_forwarded_shares(h, m.ForwardedShares(((99, ct), *msg.shares[1:])))
         return payload
 
-    total, server = run_secagg_round(inputs, k=3, t=1, intercept=forge, client_errors=errors)
+    total, server = run_secagg_round(inputs, k=4, t=3, intercept=forge, client_errors=errors)
     assert errors == {1: "share from client 99, not a neighbour"}
     assert server.dropouts[Stage.MASKED_INPUT] == {1}
     assert server.status is Status.COMPLETED
@@ -127,7 +127,7 @@ def test_client_refuses_share_from_unknown_sender(make_inputs, exact_sum):
 
 
 def _unmask_stage(lockstep, make_inputs, n=5):
-    r = lockstep(make_inputs(n, DIM, 32), k=n - 1, t=2)
+    r = lockstep(make_inputs(n, DIM, 32), k=n - 1, t=3)
     r.step()
     r.step()
     r.step()
@@ -143,11 +143,11 @@ def test_client_refuses_request_for_both_shares_of_a_peer(lockstep, make_inputs)
     with pytest.raises(ProtocolError, match="both surviving and dropped"):
         client.handle(both)
     # across two requests: first the self-mask share of 2, then its masking-key share
-    client.handle(m.encode_unmask_request(h, m.UnmaskRequest((2,), ())))
+    client.handle(m.encode_unmask_request(h, m.UnmaskRequest((2, 4), ())))
     with pytest.raises(ProtocolError, match="both shares of client 2"):
-        client.handle(m.encode_unmask_request(h, m.UnmaskRequest((), (2,))))
+        client.handle(m.encode_unmask_request(h, m.UnmaskRequest((4, 5), (2,))))
     # the same kind again is harmless
-    client.handle(m.encode_unmask_request(h, m.UnmaskRequest((2,), ())))
+    client.handle(m.encode_unmask_request(h, m.UnmaskRequest((2, 4), ())))
 
 
 def test_server_rejects_response_carrying_both_shares(lockstep, make_inputs, exact_sum):
@@ -165,7 +165,7 @@ def test_server_rejects_response_carrying_both_shares(lockstep, make_inputs, exa
 
 
 def test_duplicate_malformed_unknown_and_impersonating_senders(lockstep, make_inputs):
-    r = lockstep(make_inputs(6, DIM, 32), k=5, t=2)
+    r = lockstep(make_inputs(6, DIM, 32), k=5, t=3)
     replies = r.deliver()
     s = r.server
     assert s.receive(1, replies[1])
@@ -187,13 +187,14 @@ def test_duplicate_malformed_unknown_and_impersonating_senders(lockstep, make_in
     assert set(s.rejected) == {1, 2, 3, 4, 6, 77}
     assert s.advance() == {}
     assert s.status is Status.ABORTED and s.excluded == {
-        5: "only 0 neighbours left with keys in stage ADVERTISE_KEYS, threshold 2"
+        5: "only 0 neighbours left with keys in stage ADVERTISE_KEYS, threshold 3"
     }
 
 
 def test_wrong_message_type_and_bad_vector_are_rejected(lockstep, make_inputs, exact_sum):
     inputs = make_inputs(5, DIM, 12)
-    r = lockstep(inputs, k=4, t=1, bits=12)  # 12-bit words travel as uint16
+    # two survivors: the rejections' mechanics, below the policy's three on purpose
+    r = lockstep(inputs, k=4, t=1, bits=12, policy=MECHANICS_ONLY)  # 12-bit words: uint16
     first = r.step()
     r.step()
     replies = r.deliver()
@@ -239,8 +240,8 @@ def _corrupt_b_share_of(peer: int, responder: int):
 
 def test_corrupted_share_is_caught_by_the_commitment(make_inputs, exact_sum):
     inputs = make_inputs(5, DIM, 32)
-    # t = 2 of 4 holders: the first subset holds the bad share, the second does not
-    total, server = run_secagg_round(inputs, k=4, t=2, intercept=_corrupt_b_share_of(2, 1))
+    # t = 3 of 4 holders: the first subset holds the bad share, the second does not
+    total, server = run_secagg_round(inputs, k=4, t=3, intercept=_corrupt_b_share_of(2, 1))
     assert server.status is Status.COMPLETED
     np.testing.assert_array_equal(total, exact_sum(inputs, range(1, 6), 32))
     # t = 4 of 4 holders: every subset holds it, so the round aborts instead of a wrong sum
@@ -251,7 +252,7 @@ def test_corrupted_share_is_caught_by_the_commitment(make_inputs, exact_sum):
 
 def test_duplicate_masked_input_is_taken_back_out_of_the_sum(lockstep, make_inputs, exact_sum):
     inputs = make_inputs(5, DIM, 32)
-    r = lockstep(inputs, k=4, t=2)
+    r = lockstep(inputs, k=4, t=3)
     r.step()
     r.step()
     replies = r.deliver()

@@ -28,7 +28,7 @@ def _masked_vectors(inputs: list[np.ndarray], bits: int) -> dict[int, np.ndarray
             seen[src] = decode_masked_input(payload)[1].vector.copy()
         return payload
 
-    total, _ = run_secagg_round(inputs, k=2, t=1, bits=bits, intercept=spy)
+    total, _ = run_secagg_round(inputs, k=2, t=2, bits=bits, intercept=spy)
     assert total is not None
     return seen
 

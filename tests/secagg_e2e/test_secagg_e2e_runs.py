@@ -6,6 +6,7 @@ import numpy as np
 from flwr.app import Message
 
 from client.secure_client import dropout_stage
+from privacy.secagg.messages import MsgType
 from simulations.apps import build_task, client_app
 from simulations.config import load_scenario
 
@@ -96,3 +97,52 @@ def test_too_many_dropouts_abort_the_round_and_the_run_goes_on(run_inprocess, st
     assert sum(rnd == "1" for rnd, _ in asked) == 6 + 6
     updates = store.updates(summary["run_id"], round=1)
     assert all(u.fate != "accepted" for _, u in updates)
+
+
+def test_three_clients_with_one_dropping_after_masking_reveal_no_sum(run_inprocess, store):
+    """The policy's acceptance run: a round of three where one client vanishes after the
+    masked-input stage would reveal the sum of two; every such round aborts before any
+    unmask request, and a round where all three stay completes."""
+    fraction, rounds = 0.34, 3
+
+    def dropping(seed: int, rnd: int) -> set[int]:
+        return {pid + 1 for pid in range(3)
+                if dropout_stage(seed, rnd, pid, fraction, "masked_input") is not None}
+
+    seed = next(s for s in range(300)
+                if all(len(dropping(s, r)) == 1 for r in range(1, rounds + 1)))
+    asked: list[str] = []
+
+    def spy(msg: Message, context):
+        record = msg.content.get("secagg")
+        if record is not None and len(record["msg"]) > 3:
+            asked.append(msg.metadata.message_type + f":{record['msg'][3]}")
+        return client_app(msg, context)
+
+    cfg = load_scenario("default", ["federation.clients=3", f"federation.rounds={rounds}",
+                                    "train.local_epochs=1", "secagg.enabled=true",
+                                    f"secagg.dropout={fraction}",
+                                    'secagg.dropout_stage="masked_input"'],
+                        values={"seed": seed})
+    summary = run_inprocess(cfg, spy)
+    assert summary["versions"] == 0
+    initial, _ = build_task(cfg).initial_params()
+    np.testing.assert_array_equal(store.load_checkpoint(summary["run_id"]).params, initial)
+    rows = store.secagg_rounds(summary["run_id"])
+    assert [r["status"] for r in rows] == ["aborted"] * rounds
+    for row in rows:
+        gone = dropping(seed, row["round"])
+        assert row["dropouts"]["masked_input"] == [str(c) for c in sorted(gone)]
+        assert "2 survivors, fewer than the minimum 3" in row["abort_reason"]
+        assert "no share was requested" in row["abort_reason"]
+    assert [r.status for r in store.rounds(summary["run_id"])[1:]] == ["aborted"] * rounds
+    unmask = int(MsgType.UNMASK_REQUEST)
+    assert not any(a.endswith(f":{unmask}") for a in asked)  # nothing asked that reveals
+
+    calm = next(s for s in range(300) if not dropping(s, 1))
+    cfg = load_scenario("default", ["federation.clients=3", "federation.rounds=1",
+                                    "train.local_epochs=1", "secagg.enabled=true",
+                                    f"secagg.dropout={fraction}",
+                                    'secagg.dropout_stage="masked_input"'],
+                        values={"seed": calm})
+    assert run_inprocess(cfg)["versions"] == 1  # all three stayed: their sum is revealed

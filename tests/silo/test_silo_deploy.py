@@ -28,7 +28,7 @@ from simulations import deploy
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-PROCESSES = (2, 1)  # per silo
+PROCESSES = (2, 1, 1)  # per silo; three: a secure sum needs secagg.min_survivors = 3
 SILOS = len(PROCESSES)
 FEDERATION = "fedring-silos"
 

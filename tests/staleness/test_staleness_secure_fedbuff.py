@@ -165,7 +165,7 @@ def test_secure_aggregate_equals_plain_fedbuff_with_stragglers(run, store):
 
 def test_secure_fedbuff_on_the_wall_clock(run_inprocess, store):
     cfg = scenario("federation.clients=4", "federation.rounds=4", "driver.kind=fedbuff",
-                   "driver.buffer_size=2", "driver.staleness=polynomial", *SECURE)
+                   "driver.buffer_size=3", "driver.staleness=polynomial", *SECURE)
     models: list[np.ndarray] = []
     summary = run_inprocess(cfg, scripted_secure_app(), models=models)  # wall clock
     assert summary["versions"] == 4 and "simulated_time" not in summary
@@ -175,7 +175,7 @@ def test_secure_fedbuff_on_the_wall_clock(run_inprocess, store):
     for rnd in range(1, 5):
         updates = [u for _, u in store.updates(summary["run_id"], round=rnd)]
         accepted = sorted(u.client_id for u in updates if u.fate == "accepted")
-        assert len(accepted) == 2 and sessions[rnd - 1]["participants"] == accepted
+        assert len(accepted) == 3 and sessions[rnd - 1]["participants"] == accepted
         stale += sum(u.staleness > 0 for u in updates)
         expected = models[rnd - 1].astype(np.float64) + fedbuff_step(updates, layout.dim,
                                                                      poly(0.5), 1.0)
@@ -266,7 +266,7 @@ def test_dropouts_in_a_buffers_secure_stages_recover_or_abort_and_the_run_goes_o
 def test_fedasync_with_secagg_fails_at_start():
     with pytest.raises(ValueError, match="a single update cannot be hidden in a sum"):
         load_scenario("default", ["driver.kind=fedasync", "secagg.enabled=true"])
-    with pytest.raises(ValueError, match=r"raise driver.buffer_size \(got 1\) to >= 2"):
+    with pytest.raises(ValueError, match=r"raise driver.buffer_size \(got 1\) to >= 3"):
         load_scenario("default", ["driver.kind=fedbuff", "driver.buffer_size=1",
                                   "secagg.enabled=true"])
     with pytest.raises(ValueError, match=r"aggregation\.combine = 'median'"):

@@ -1,0 +1,321 @@
+"""The secure-aggregation policy, enforced by both state machines on what they are sent.
+
+Hostile SETUPs (k = 1, t = 1; k = 2 cycles; a disconnected graph; t <= k/2; two clients)
+and unmask requests listing too few survivors are refused by every client; the server
+aborts before requesting any share when fewer than ``min_survivors`` clients, or a
+disconnected set of them, survive. Connectivity is checked here with scipy's csgraph, not
+with the code under test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components
+
+from privacy.secagg import (
+    DEFAULT_POLICY,
+    ProtocolError,
+    SecAggClient,
+    SecAggConfig,
+    SecAggPolicy,
+    SecAggServer,
+    Stage,
+    Status,
+    params,
+    run_secagg_round,
+)
+from privacy.secagg import messages as m
+from privacy.secagg.graph import regular_graph
+from privacy.secagg.messages import Header, MsgType, encode_setup, read_header
+
+DIM = 16
+DISCONNECTED_SEED = hashlib.sha256(b"disconnected-5514").digest()  # n = 8, k = 3: two K4s
+CUT_SEED = hashlib.sha256(b"cut-241").digest()  # n = 10, k = 3: node 0 is a cut vertex
+
+
+def components(n: int, k: int, seed: bytes, without: tuple[int, ...] = ()) -> int:
+    """Connected components of the seed's graph on nodes 0..n-1, less ``without``."""
+    keep = [u for u in range(n) if u not in without]
+    index = {u: i for i, u in enumerate(keep)}
+    edges = [(index[u], index[v]) for u in keep for v in regular_graph(n, k, seed)[u]
+             if v in index]
+    rows, cols = zip(*edges, strict=True) if edges else ((), ())
+    adjacency = csr_matrix((np.ones(len(edges)), (rows, cols)), shape=(len(keep),) * 2)
+    return connected_components(adjacency, directed=False)[0]
+
+
+def forged(n: int, k: int, t: int, seed: bytes = bytes(range(32))) -> SecAggConfig:
+    """A structurally valid configuration, whatever the policy says of it."""
+    return SecAggConfig(tuple(range(1, n + 1)), k, t, 32, DIM, 0, 0, seed)
+
+
+def test_the_forged_graphs_are_what_the_tests_say():
+    assert components(8, 3, DISCONNECTED_SEED) == 2
+    assert components(10, 3, CUT_SEED) == 1 and components(10, 3, CUT_SEED, (0,)) == 2
+    assert components(10, 3, CUT_SEED, (1,)) == 1
+    assert components(4, 1, bytes(32)) == 2  # a perfect matching
+
+
+HOSTILE_SETUPS = [
+    ("k = 1, t = 1 (a perfect matching)", forged(4, 1, 1), "k = 1 neighbours is below"),
+    ("k = 2 (cycles)", forged(6, 2, 2), "k = 2 neighbours is below the minimum 3"),
+    ("a disconnected graph", forged(8, 3, 2, DISCONNECTED_SEED), "is disconnected"),
+    ("t = k/2", forged(5, 4, 2), "threshold t = 2 is not more than half of k = 4"),
+    ("t = 1 on the full graph", forged(4, 3, 1), "threshold t = 1 is not more than half"),
+    ("two clients (full graph k = 1)", forged(2, 1, 1), "2 participants can never give"),
+]
+
+
+@pytest.mark.parametrize(("config", "fragment"), [c[1:] for c in HOSTILE_SETUPS],
+                         ids=[c[0] for c in HOSTILE_SETUPS])
+def test_every_client_refuses_a_setup_below_policy(config, fragment):
+    for c in config.participants:
+        client = SecAggClient(c)
+        with pytest.raises(ProtocolError, match="secure-aggregation policy") as err:
+            client.handle(encode_setup(config, c))
+        assert fragment in err.value.reason
+        assert client.stage is Stage.SETUP and client.config is None  # nothing kept
+
+
+@pytest.mark.parametrize(("config", "fragment"), [c[1:] for c in HOSTILE_SETUPS],
+                         ids=[c[0] for c in HOSTILE_SETUPS])
+def test_the_server_refuses_to_run_a_session_below_policy(config, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        SecAggServer(config)
+
+
+@pytest.mark.parametrize(("n", "k", "t"), [(3, 2, 2), (4, 3, 2), (8, 3, 2), (10, 4, 3)])
+def test_smallest_conforming_setups_are_accepted(n, k, t):
+    config = SecAggConfig.create(range(1, n + 1), DIM, k=k, t=t)
+    assert components(n, k, config.seed) == 1
+    for c in config.participants:
+        SecAggClient(c).handle(encode_setup(config, c))
+    SecAggServer(config)
+
+
+def test_a_client_refuses_restoring_a_session_below_its_policy():
+    config = SecAggConfig.create(range(1, 7), DIM, k=4, t=3)
+    client = SecAggClient(1)
+    client.handle(encode_setup(config, 1))
+    saved = client.export_state()
+    strict = DEFAULT_POLICY.raised(min_neighbors=5)  # this node asks for more than k = 4
+    with pytest.raises(ProtocolError, match="k = 4 neighbours is below the minimum 5"):
+        SecAggClient.from_state(saved, policy=strict)
+
+
+def test_a_client_raises_its_own_minimums_and_never_lowers_them():
+    config = SecAggConfig.create(range(1, 11), DIM, k=4, t=3)
+    strict = DEFAULT_POLICY.raised(min_neighbors=5)
+    with pytest.raises(ProtocolError, match="below the minimum 5"):
+        SecAggClient(1, policy=strict).handle(encode_setup(config, 1))
+    SecAggClient(1).handle(encode_setup(config, 1))  # the default takes k = 4
+    with pytest.raises(ProtocolError, match="3 participants can never give the 4"):
+        SecAggClient(1, policy=DEFAULT_POLICY.raised(min_survivors=4)).handle(
+            encode_setup(SecAggConfig.create([1, 2, 3], DIM), 1))
+    for lower in ({"min_neighbors": 2}, {"min_survivors": 2}, {"min_survivors": True}):
+        with pytest.raises(ValueError, match="can only be raised"):
+            DEFAULT_POLICY.raised(**lower)
+
+
+def test_create_draws_again_until_the_graph_is_connected(monkeypatch):
+    draws = iter([DISCONNECTED_SEED, DISCONNECTED_SEED, CUT_SEED[:16] * 2])
+    monkeypatch.setattr(params.os, "urandom", lambda size: next(draws))
+    config = SecAggConfig.create(range(1, 9), DIM, k=3, t=2)
+    assert config.seed == CUT_SEED[:16] * 2
+    assert components(8, 3, config.seed) == 1
+    kept = SecAggConfig.create(range(1, 9), DIM, k=3, t=2, seed=DISCONNECTED_SEED)
+    assert kept.seed == DISCONNECTED_SEED  # an explicit seed is kept (and then refused)
+
+
+@pytest.mark.parametrize("n", [3, 4, 6, 10, 60])
+def test_default_k_and_t_meet_the_policy(n):
+    config = SecAggConfig.create(range(1, n + 1), DIM)
+    assert config.k >= 3 or config.k == n - 1
+    assert 2 * config.t > config.k
+    assert DEFAULT_POLICY.violation(config) is None
+
+
+# --- unmasking: no share unless enough clients survive ------------------------------------
+
+
+def _at_unmasking(lockstep, make_inputs, n=5, **kw):
+    r = lockstep(make_inputs(n, DIM, 32), k=n - 1, t=n // 2 + 1, **kw)
+    for _ in range(3):
+        r.step()
+    assert r.server.stage is Stage.UNMASKING
+    return r
+
+
+def _request(c: int, survivors: tuple[int, ...], dropped: tuple[int, ...] = ()) -> bytes:
+    h = Header(MsgType.UNMASK_REQUEST, 0, 0, c)
+    return m.encode_unmask_request(h, m.UnmaskRequest(survivors, dropped))
+
+
+def test_every_client_refuses_an_unmask_request_listing_too_few_survivors(lockstep, make_inputs):
+    r = _at_unmasking(lockstep, make_inputs)
+    for c, client in r.clients.items():
+        others = sorted(set(r.clients) - {c})
+        for survivors, dropped in (((others[0],), ()), ((others[0],), tuple(others[1:])),
+                                   ((), tuple(others))):
+            with pytest.raises(ProtocolError, match="fewer than the minimum 3"):
+                client.handle(_request(c, survivors, dropped))
+        # itself and two listed survivors are three: answered (the refusals changed nothing)
+        reply = client.handle(_request(c, tuple(others[:2])))
+        assert read_header(reply).kind is MsgType.UNMASK_RESPONSE
+
+
+def test_a_client_counts_survivors_against_its_own_minimum(lockstep, make_inputs):
+    strict = DEFAULT_POLICY.raised(min_survivors=5)
+    r = _at_unmasking(lockstep, make_inputs, n=6)
+    c = 1
+    session = SecAggClient.from_state(r.clients[c].export_state(), policy=strict)
+    with pytest.raises(ProtocolError, match="4 survivors, fewer than the minimum 5"):
+        session.handle(_request(c, (2, 3, 4)))
+    session.handle(_request(c, (2, 3, 4, 5)))
+    assert r.clients[c].handle(_request(c, (2, 3, 4)))  # the default policy answers
+
+
+def test_the_server_aborts_below_min_survivors_before_any_share(make_inputs):
+    seen = []
+
+    def spy(stage, sender, receiver, payload):
+        seen.append(read_header(payload).kind)
+        return payload
+
+    inputs = make_inputs(6, DIM, 32)
+    policy = SecAggPolicy(min_survivors=5)
+    drop = {5: Stage.MASKED_INPUT, 6: Stage.MASKED_INPUT}  # 4 survive, 3 hold each secret
+    total, server = run_secagg_round(inputs, k=5, t=3, drop=drop, intercept=spy, policy=policy)
+    assert total is None and server.status is Status.ABORTED
+    assert "4 survivors, fewer than the minimum 5" in server.abort_reason
+    assert "no share was requested" in server.abort_reason
+    assert MsgType.UNMASK_REQUEST not in seen
+    # one survivor more is enough
+    total, server = run_secagg_round(inputs, k=5, t=3, drop={6: Stage.MASKED_INPUT},
+                                     policy=policy)
+    assert server.status is Status.COMPLETED and len(server.survivors) == 5
+
+
+def test_the_default_server_reveals_no_sum_of_two(make_inputs):
+    # n = 3, full graph, t = 2: one dropout leaves two, whose sum is never revealed
+    inputs = make_inputs(3, DIM, 32)
+    for stage in (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS):  # too few neighbours left, too
+        total, server = run_secagg_round(inputs, drop={3: stage})
+        assert total is None and server.status is Status.ABORTED, stage
+    total, server = run_secagg_round(inputs, drop={3: Stage.MASKED_INPUT})
+    assert total is None and server.status is Status.ABORTED
+    assert "2 survivors, fewer than the minimum 3" in server.abort_reason
+    total, server = run_secagg_round(inputs)
+    assert server.status is Status.COMPLETED
+
+
+def test_the_server_aborts_when_the_survivors_graph_splits(make_inputs):
+    # node 0 (client 1) is a cut vertex of a connected 3-regular graph on 10 nodes: if it
+    # drops after masking, every secret still has t = 2 holders, but the server could
+    # unmask each side's sum on its own
+    inputs = make_inputs(10, DIM, 32)
+    seen = []
+
+    def spy(stage, sender, receiver, payload):
+        seen.append(read_header(payload).kind)
+        return payload
+
+    total, server = run_secagg_round(inputs, k=3, t=2, seed=CUT_SEED,
+                                     drop={1: Stage.MASKED_INPUT}, intercept=spy)
+    assert total is None and server.status is Status.ABORTED
+    assert "survivors' graph is disconnected" in server.abort_reason
+    assert MsgType.UNMASK_REQUEST not in seen
+    total, server = run_secagg_round(inputs, k=3, t=2, seed=CUT_SEED,
+                                     drop={2: Stage.MASKED_INPUT})
+    assert server.status is Status.COMPLETED  # another dropout leaves it connected
+
+
+def test_the_server_aborts_early_when_too_few_are_left_after_the_key_stages(make_inputs):
+    inputs = make_inputs(6, DIM, 32)
+    drop = {5: Stage.ADVERTISE_KEYS, 6: Stage.ADVERTISE_KEYS}
+    total, server = run_secagg_round(inputs, k=5, t=3, drop=drop,
+                                     policy=SecAggPolicy(min_survivors=5))
+    assert total is None and server.stage is Stage.ADVERTISE_KEYS
+    assert server.abort_reason.startswith("after stage ADVERTISE_KEYS: 4 survivors")
+
+
+# --- the client-side threshold checks on what the server forwards -------------------------
+
+
+def test_a_client_given_fewer_than_t_public_keys_refuses(lockstep, make_inputs):
+    r = lockstep(make_inputs(6, DIM, 32), k=5, t=3)
+    r.step()
+    h, keys = m.decode_public_keys(r.outbox[1])
+    assert len(keys.entries) == 5
+    client = r.clients[1]
+    for few in (0, 1, 2):
+        short = m.encode_public_keys(h, m.PublicKeys(keys.entries[:few]))
+        with pytest.raises(ProtocolError, match=f"only {few} neighbours left, threshold is 3"):
+            client.handle(short)
+    reply = client.handle(m.encode_public_keys(h, m.PublicKeys(keys.entries[:3])))
+    assert len(m.decode_share_keys(reply)[1].shares) == 3  # exactly t: shares for three
+
+
+def _forwarded_with_bad(r, client: int, bad: int) -> bytes:
+    """The FORWARDED_SHARES for ``client`` with the first ``bad`` ciphertexts corrupted."""
+    h, fwd = m.decode_forwarded_shares(r.outbox[client])
+    shares = [(s, bytes([ct[0] ^ 1]) + ct[1:]) if i < bad else (s, ct)
+              for i, (s, ct) in enumerate(fwd.shares)]
+    return m.encode_forwarded_shares(h, m.ForwardedShares(tuple(shares)))
+
+
+def test_a_client_given_fewer_than_t_valid_shares_refuses(lockstep, make_inputs):
+    r = lockstep(make_inputs(6, DIM, 32), k=5, t=3)
+    r.step()
+    r.step()
+    client = r.clients[1]
+    for bad in (3, 4, 5):  # 2, 1, 0 valid shares
+        with pytest.raises(ProtocolError, match=f"only {5 - bad} valid shares from "
+                                                "neighbours, threshold is 3"):
+            client.handle(_forwarded_with_bad(r, 1, bad))
+    reply = client.handle(_forwarded_with_bad(r, 1, 2))  # exactly t valid: it masks
+    failed = m.decode_masked_input(reply)[1].failed
+    assert len(failed) == 2 and client.held_peers.isdisjoint(failed)
+    assert len(client.held_peers) == 3
+
+
+def test_every_policy_minimum_is_enforced_exactly_at_its_edge():
+    for k, t, ok in ((4, 2, False), (4, 3, True), (5, 2, False), (5, 3, True), (6, 3, False),
+                     (6, 4, True)):
+        config = SecAggConfig.create(range(1, 11), DIM, k=k, t=t)
+        assert (DEFAULT_POLICY.violation(config) is None) is ok, (k, t)
+    assert DEFAULT_POLICY.survivors_violation(3) is None
+    assert DEFAULT_POLICY.survivors_violation(2) is not None
+    assert DEFAULT_POLICY.violation(forged(3, 2, 2)) is None  # n = 3: the full graph is fine
+    assert DEFAULT_POLICY.violation(forged(10, 2, 2)) is not None
+
+
+def test_a_session_at_the_policy_minimum_sums_exactly(make_inputs, exact_sum):
+    inputs = make_inputs(8, DIM, 32)
+    total, server = run_secagg_round(inputs, k=3, t=2)
+    assert server.status is Status.COMPLETED
+    np.testing.assert_array_equal(total, exact_sum(inputs, range(1, 9), 32))
+
+
+def test_the_default_corrupt_fraction_feeds_bells_bound_at_n_100():
+    # independently (scipy): the smallest k whose t = floor(k/2) + 1 keeps both
+    # n * P[Bin(k, 0.9) < t] <= 2^-20 (10% dropouts) and n * P[Bin(k, 0.05) >= t] <= 2^-40
+    from scipy.stats import binom
+
+    from privacy.secagg import default_k
+
+    def meets(n: int, k: int, gamma: float) -> bool:
+        t = k // 2 + 1
+        return (n * binom.cdf(t - 1, k, 0.9) <= 2.0**-20
+                and n * binom.sf(t - 1, k, gamma) <= 2.0**-40)
+
+    expected = next(k for k in range(3, 99) if meets(100, k, 0.05))
+    assert expected == 34 and not meets(100, 31, 0.05)  # 31: the bound at gamma = 0
+    assert default_k(100) == expected
+    assert SecAggConfig.create(range(1, 101), DIM).k == expected
+    assert default_k(100, corrupt_fraction=0.1) == next(k for k in range(3, 99)
+                                                         if meets(100, k, 0.1))
