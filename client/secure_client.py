@@ -419,7 +419,14 @@ class SecureClient:
                           rng=rng, factor=factor, threads=mask_threads(context))
         context.state[INPUT] = _input_record(quantized, context)
         self._save(context, session, s, seed, pid, drop)
-        return Message(RecordDict({RECORD: ConfigRecord({MSG: bytes(reply)})}), reply_to=msg)
+        content = RecordDict({RECORD: ConfigRecord({MSG: bytes(reply)})})
+        if distributed is None and "train_loss" in update.metrics:
+            # the training loss, as plain rounds report it; never under distributed DP,
+            # whose guarantee holds against the server
+            content["metrics"] = MetricRecord({
+                "train_loss": float(update.metrics["train_loss"]),
+                wire.NUM_EXAMPLES: update.metrics[wire.NUM_EXAMPLES]})
+        return Message(content, reply_to=msg)
 
     def query(self, msg: Message, context: Context) -> Message:
         """Answer PUBLIC_KEYS, FORWARDED_SHARES or UNMASK_REQUEST from the stored session."""

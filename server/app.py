@@ -12,15 +12,17 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from privacy.dp import DPConfig
-from server.async_driver import async_driver_class
 from server.clock import Clock
-from server.config import AggregationConfig, FederationConfig
+from server.compression import ReplyCompression
 from server.dp import dp_controller
+from server.fedbuff import FedBuffRounds
 from server.reporter import LogReporter, Reporter
-from server.secure_round import make_secure_rounds
+from server.rounds import RoundSource, RunContext
+from server.run_loop import RunLoop
+from server.scenario import ServerScenario
+from server.secure_round import SecureSettings, SecureSum, make_secure_settings
 from server.store import Store
-from server.sync_driver import SyncDriver
+from server.sync_rounds import PlainReplies, SyncRounds
 from server.task import ServerTask
 
 DEFAULT_DB = "sqlite:///runs/fedring.db"
@@ -37,29 +39,42 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
 
     With ``resume`` (a run id in the store) the run continues from its last checkpoint.
 
-    The ``[driver]`` section picks the driver (sync, FedAsync, FedBuff or cross-silo); ``clock`` is
-    a simulated clock in simulations, else the wall clock is used.
+    The ``[driver]`` section picks the round source (sync, FedAsync, FedBuff or
+    cross-silo), which ``server.run_loop.RunLoop`` drives; ``clock`` is a simulated clock in
+    simulations, else the wall clock is used.
     """
-    dp_config = DPConfig.from_dict(config.get("dp", {}))
-    dp = (dp_controller(dp_config, FederationConfig(**config["federation"]))
-          if dp_config.enabled else None)
-    pipeline = AggregationConfig(**config["aggregation"]).build(dp)
-    secure = make_secure_rounds(config)  # None unless [secagg] is enabled; refuses misfits
+    scenario = ServerScenario.of(config)  # the typed sections, parsed once
+    dp = dp_controller(scenario.dp, scenario.federation) if scenario.dp.enabled else None
+    pipeline = scenario.aggregation.build(dp.stages() if dp is not None else ([], []),
+                                          staleness=scenario.driver.staleness_config())
+    secure = make_secure_settings(scenario)  # None unless [secagg] is enabled
     store = Store(store_url)
     try:
-        kind = config.get("driver", {}).get("kind", "sync")
-        if kind == "cross_silo":  # the silos aggregate among themselves over a ring
-            from server.cross_silo import CrossSiloDriver
-
-            driver_cls: type = CrossSiloDriver
-        else:
-            driver_cls = SyncDriver if kind == "sync" else async_driver_class(kind)
-        driver = driver_cls(grid, config=config, task=task, pipeline=pipeline, store=store,
-                            reporter=reporter or LogReporter(), dp=dp, clock=clock)
-        driver.secure = secure
-        return driver.resume(resume) if resume else driver.run()
+        ctx = RunContext(grid, scenario=scenario, task=task, pipeline=pipeline, store=store,
+                         reporter=reporter or LogReporter(), dp=dp, clock=clock)
+        loop = RunLoop(ctx, round_source(ctx, secure=secure))
+        return loop.resume(resume) if resume else loop.run()
     finally:
         store.close()
+
+
+def round_source(ctx: RunContext, *, secure: SecureSettings | None) -> RoundSource:
+    """The round source ``[driver] kind`` names, secure when ``secure`` is given."""
+    scenario, kind = ctx.scenario, ctx.driver.kind
+    compression = ReplyCompression.of(scenario.compression, secure=secure is not None)
+    if kind == "cross_silo":  # the silos aggregate among themselves over a ring
+        from server.cross_silo import CrossSiloRounds
+        from server.cross_silo_secure import SecureRing
+
+        return CrossSiloRounds(ctx, silo=scenario.silo, aggregation=scenario.aggregation,
+                               ring=SecureRing(secure) if secure is not None else None)
+    if kind in ("fedbuff", "fedasync"):
+        return FedBuffRounds(ctx, weight_by=scenario.aggregation.weight_by,
+                             compression=compression, secure=secure,
+                             mixing=kind == "fedasync")
+    collector = (SecureSum(ctx, secure) if secure is not None
+                 else PlainReplies(ctx, compression))
+    return SyncRounds(ctx, collector)
 
 
 def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,

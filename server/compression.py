@@ -122,12 +122,9 @@ class ReplyCompression:
         self.config = config
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ReplyCompression | None:
+    def of(cls, config: CompressionConfig, *, secure: bool) -> ReplyCompression | None:
         """None when clients upload dense deltas (no compression, or secagg's own path)."""
-        cfg = compression_config(config)
-        if not cfg.enabled or config.get("secagg", {}).get("enabled", False):
-            return None
-        return cls(cfg)
+        return cls(config) if config.enabled and not secure else None
 
     def request(self, run_id: str) -> str:
         """The train config entry (``client.compression.COMPRESSION_KEY``) of a run."""
@@ -159,11 +156,10 @@ class SharedPattern:
         self.config = config
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> SharedPattern | None:
+    def of(cls, config: CompressionConfig, *, secure: bool) -> SharedPattern | None:
         """None unless secagg is on and clients send top-k on a shared pattern."""
-        cfg = compression_config(config)
-        secure = config.get("secagg", {}).get("enabled", False)
-        return cls(cfg) if secure and cfg.kind == "topk" and cfg.shared_pattern else None
+        return cls(config) if secure and config.kind == "topk" and config.shared_pattern \
+            else None
 
     def for_round(self, run_id: str, rnd: int, dim: int) -> RoundPattern:
         request = CompressionRequest(self.config, session_number(run_id))

@@ -9,6 +9,8 @@ from typing import Any
 
 from aggregation import (
     Pipeline,
+    PostStage,
+    UpdateStage,
     Validate,
     Weight,
     make_combine,
@@ -18,7 +20,6 @@ from aggregation.combine import Combine
 from aggregation.robust import ROBUST_KINDS, RobustCombine, make_robust_combine
 from aggregation.server_opt import SERVER_OPTIMIZERS
 from aggregation.staleness import StalenessFn, staleness_function
-from server.dp import DPController
 
 LINEAR_COMBINES = ("mean", "sum")
 STALENESS_KEYS = ("staleness", "staleness_a", "staleness_b", "max_staleness")
@@ -57,11 +58,9 @@ def check_choice(key: str, value: str, choices: Collection[str]) -> None:
 
 @dataclass(frozen=True)
 class StalenessConfig:
-    """The staleness keys, which ``[aggregation]`` (its pipeline applies them) and ``[driver]``
-    both take: s(tau) named by ``staleness`` (constant, polynomial, hinge) with
-    ``staleness_a``/``staleness_b``, and ``max_staleness`` (-1: no bound). The one place they
-    are checked and built; ``server.driver_config.merge_staleness`` makes the sections agree.
-    """
+    """The staleness keys of ``[driver]``: s(tau) named by ``staleness`` (constant,
+    polynomial, hinge) with ``staleness_a``/``staleness_b``, and ``max_staleness`` (-1: no
+    bound). The one place they are checked and built; the pipeline applies them."""
 
     staleness: str = "constant"
     staleness_a: float = 0.5
@@ -133,8 +132,19 @@ class FederationConfig:
                              f"probability sample_fraction), got '{self.sampling}'")
 
     def clients_per_round(self, available: int) -> int:
-        """How many of ``available`` nodes to sample in a round."""
+        """How many of ``available`` nodes a fixed-size draw samples in a round."""
         return min(available, max(self.min_clients, round(self.sample_fraction * available)))
+
+    def expected_per_round(self) -> float:
+        """The public expected cohort size: ``sample_fraction * clients`` under Poisson
+        sampling, else the fixed-size draw from all ``clients``."""
+        if self.sampling == "poisson":
+            return self.sample_fraction * self.clients
+        return float(self.clients_per_round(self.clients))
+
+    def max_per_round(self) -> int:
+        """The most clients a round can have (all of them under Poisson sampling)."""
+        return self.clients if self.sampling == "poisson" else self.clients_per_round(self.clients)
 
 
 @dataclass(frozen=True)
@@ -150,10 +160,6 @@ class AggregationConfig:
     beta2: float = 0.99
     tau: float = 1e-3
     max_norm: float = 0.0
-    max_staleness: int = StalenessConfig.max_staleness
-    staleness: str = StalenessConfig.staleness
-    staleness_a: float = StalenessConfig.staleness_a
-    staleness_b: int = StalenessConfig.staleness_b
     f: int = 0
     trim_beta: float = 0.1
     multikrum_m: int = 0
@@ -164,7 +170,6 @@ class AggregationConfig:
         check_choice("aggregation.server_opt", self.server_opt, SERVER_OPTIMIZERS)
         if self.max_norm < 0:
             raise ValueError("aggregation.max_norm must be >= 0 (0 means no bound)")
-        StalenessConfig.of(self).check("aggregation")
         self.build()  # surfaces bad combine/weight/optimizer parameters at start
 
     def _optimizer_params(self) -> dict[str, float]:
@@ -191,10 +196,13 @@ class AggregationConfig:
         if isinstance(combine, RobustCombine):
             combine.check(clients_per_round)
 
-    def build(self, dp: DPController | None = None) -> Pipeline:
-        """A fresh pipeline for this configuration, with central DP's stages if given."""
-        dp_update, dp_post = dp.stages() if dp is not None else ([], [])
-        staleness = StalenessConfig.of(self)
+    def build(self, dp_stages: tuple[list[UpdateStage], list[PostStage]] = ([], []),
+              staleness: StalenessConfig | None = None) -> Pipeline:
+        """A fresh pipeline for this configuration, with central DP's stages if given
+        (``server.dp.DPController.stages``), and the staleness weighting and bound of
+        ``[driver]``."""
+        dp_update, dp_post = dp_stages
+        staleness = staleness or StalenessConfig()
         return Pipeline(
             Validate(max_norm=self.max_norm or None, max_staleness=staleness.bound()),
             *dp_update,

@@ -10,15 +10,19 @@ Each round (``[driver] kind = "cross_silo"``) the server
 3. hosts the rendezvous store the silos meet at (one per run; a prefix per round);
 4. receives the aggregate from the silo at ring rank 0 and a digest from every silo, and
    checks that all digests agree with each other and with the sha256 of the aggregate;
-5. applies the aggregate through the pipeline's post stages and server optimizer, and
-   records the round with every silo's fate.
+5. hands the aggregate, with every silo's fate, to the run loop (``server.run_loop``),
+   which applies and records it as it does every round.
 
 A silo whose ring fails (a peer timed out or died) reports it, naming the ring ranks it
-blames; the server then stops waiting once every silent silo is named, and at the latest
-``[silo] ring_timeout_s`` + 5 s later. The round then fails and the model stays unchanged.
-Silos that caused it (no reply: hung or dead; an error of their own; a digest that
-disagrees) are excluded from later rounds, with the reason stored, so the next round runs
-without them. The round's metrics hold the ring's figures.
+blames. After a failure the server stops waiting once every silent silo is named, and
+otherwise gives a silent silo as long as it takes to give up on its own and report
+(``SiloConfig.failure_grace_s``, counted from when it joined the round's rendezvous, or
+from the failure if it has not joined). The round then fails and the model stays
+unchanged. Silos that caused it (an error of their own; silent and never at the
+rendezvous, or named by a peer; a digest that disagrees) are excluded from later rounds,
+with the reason stored, so the next round runs without them. A silo that joined the
+rendezvous and that no peer names is not excluded, even when silent. The round's metrics
+hold the ring's figures.
 
 With ``[secagg] enabled`` the silos are SecAgg+ clients and the ring sums their masked
 vectors instead (``server.cross_silo_secure``): the server sees only the masked sum.
@@ -29,10 +33,11 @@ from __future__ import annotations
 import collections
 import time
 import uuid
-from collections.abc import Set
+from collections.abc import Iterator, Set
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -51,10 +56,12 @@ from client.silo_app import (
     WEIGHT_METRIC,
 )
 from client.silo_ring import RingSpec, aggregate_digest
+from server.cohort import draw_cohort
+from server.config import AggregationConfig
 from server.cross_silo_config import SiloConfig
 from server.exchange import collect, push
+from server.rounds import RoundResult, RoundSource, RunContext, mean_loss
 from server.store import UpdateRecord
-from server.sync_driver import SyncDriver, cohort_rng, sample_nodes, wait_for_nodes
 
 MISSING, ERROR = "missing", "error"  # reply states besides the silo's own statuses
 
@@ -69,6 +76,7 @@ class SiloReply:
     reason: str = ""
     rejected: str = ""  # why the silo kept its own update out (weight 0)
     failed: tuple[int, ...] = ()  # secure rounds: peers whose shares did not authenticate
+    peers: tuple[int, ...] = ()  # ring ranks its failure report points at
     digest: str = ""
     total_weight: float = 0.0
     count: int = 0
@@ -111,6 +119,9 @@ def decode_reply(node: int, rank: int, reply: Message | None,
         out.status, out.reason = ERROR, f"'{FAILED_KEY}' is not a list of node ids"
         return out
     out.failed = tuple(failed)
+    peers = result.get("peers", [])
+    if isinstance(peers, list):
+        out.peers = tuple(int(p) for p in peers if isinstance(p, int) and not isinstance(p, bool))
     if out.status == STATUS_OK and rank == 0:
         record = reply.content.get(AGGREGATE_RECORD)
         try:
@@ -175,29 +186,21 @@ class CrossSiloOutcome:
         return out
 
 
-@dataclass
-class RoundDone:
-    """What a cross-silo round did, for its record: applied or not, the round's status, every
-    silo's fate, the ring's figures, and what its privacy cost (None: a full round's)."""
-
-    applied: bool
-    status: str  # completed, failed or aborted
-    records: list[UpdateRecord]
-    metrics: dict[str, float]
-    replies: int
-    noise_multiplier: float | None = None
-
-
 def judge(order: list[int], replies: dict[int, Message], dim: int,
-          words: np.dtype | None = None) -> CrossSiloOutcome:
+          words: np.dtype | None = None, joined: Set[int] = frozenset()) -> CrossSiloOutcome:
     """The verdict on a round's replies: the aggregate, or the failure and whom to exclude.
     With ``words`` the aggregate is a masked sum of ``dim`` such words (its weight is
-    under the masks, so no weight is checked)."""
+    under the masks, so no weight is checked). ``joined``: the nodes that arrived at the
+    round's rendezvous; a silent one of them is blamed only if a peer's report names it."""
     silos = [decode_reply(node, rank, replies.get(node), words)
              for rank, node in enumerate(order)]
     outcome = CrossSiloOutcome(order=list(order), silos=silos)
+    named = {rank for s in silos for rank in s.peers}
     for s in silos:
-        if s.status in (MISSING, ERROR):
+        if s.status == MISSING and s.node in joined and s.rank not in named:
+            s.reason = ("no reply before the server stopped waiting; it joined the ring's "
+                        "rendezvous and no peer blames it, so it is not excluded")
+        elif s.status in (MISSING, ERROR):
             outcome.blamed[s.node] = f"{s.reason} (ring rank {s.rank})"
     failed = [s for s in silos if s.status != STATUS_OK]
     if failed:
@@ -249,58 +252,55 @@ class Rendezvous:
         self.port = int(self.store.port)
 
 
-class CrossSiloDriver(SyncDriver):
-    """Synchronous rounds whose aggregate the silos compute among themselves over a ring."""
+class RingCollector(Protocol):
+    """Runs one cross-silo round's ring with the silos of ``order``, up to its result."""
 
-    def __init__(self, grid: Any, **kwargs: Any) -> None:
-        super().__init__(grid, **kwargs)
-        self.silo = SiloConfig(**self.config.get("silo", {}))
-        agg = self.config["aggregation"]
-        self.combine, self.weight_by = agg["combine"], agg["weight_by"]
-        self.max_norm = float(agg["max_norm"])
+    def collect(self, rounds: CrossSiloRounds, run_id: str, rnd: int,
+                order: list[int]) -> RoundResult: ...
+
+
+class CrossSiloRounds(RoundSource):
+    """Synchronous rounds whose aggregate the silos compute among themselves over a ring
+    (``ring``: the plain ring, or ``server.cross_silo_secure.SecureRing``)."""
+
+    kind = "cross_silo"
+
+    def __init__(self, ctx: RunContext, *, silo: SiloConfig, aggregation: AggregationConfig,
+                 ring: RingCollector | None = None) -> None:
+        self.ctx = ctx
+        self.silo = silo
+        self.combine, self.weight_by = aggregation.combine, aggregation.weight_by
+        self.max_norm = float(aggregation.max_norm)
+        self.ring = ring or PlainRing()
         self.excluded: dict[int, str] = {}  # node -> why it takes no further part
         self.rendezvous: Rendezvous | None = None
-        self.last: CrossSiloOutcome | None = None
 
-    def run(self, run_id: str | None = None) -> dict[str, Any]:
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """The rendezvous store the silos meet at, for the whole run."""
         self.rendezvous = Rendezvous(self.silo)
         try:
-            return super().run(run_id)
+            yield
         finally:
             self.rendezvous = None  # the store stops with its last reference
 
-    def _budget_stop(self) -> bool:
-        if super()._budget_stop():
-            return True
+    def stop_reason(self) -> str | None:
         if not self.excluded:
-            return False
-        left = [n for n in self.grid.get_node_ids() if n not in self.excluded]
-        if len(left) >= self.fed.min_clients:
-            return False
-        return self._stop_before_next_round(
-            f"{len(left)} silo(s) left after excluding {sorted(self.excluded)}, "
-            f"federation.min_clients is {self.fed.min_clients}")
+            return None
+        left = [n for n in self.ctx.grid.get_node_ids() if n not in self.excluded]
+        if len(left) >= self.ctx.fed.min_clients:
+            return None
+        return (f"{len(left)} silo(s) left after excluding {sorted(self.excluded)}, "
+                f"federation.min_clients is {self.ctx.fed.min_clients}")
 
-    def ring_order(self, rnd: int) -> list[int]:
-        """This round's participants, in ring order (excluded silos left out)."""
-        nodes = wait_for_nodes(self.grid, self.fed)
-        eligible = [n for n in nodes if n not in self.excluded]
-        secret = self.dp is not None and self.dp.secret_cohorts
-        sampled = sample_nodes(eligible, self.fed, cohort_rng(self.seed, rnd, secret=secret))
-        cap = self.driver.concurrency
-        rng = cohort_rng(self.seed, rnd, secret=secret, stream=2)
-        if cap and len(sampled) > cap:
-            sampled = sorted(sampled[int(i)] for i in rng.choice(len(sampled), cap,
-                                                                   replace=False))
-        if self.dp is not None:  # what the round's fixed-size sampling is charged
-            self.dp.note_cohort(len(eligible), len(sampled))
-        return [sampled[int(i)] for i in rng.permutation(len(sampled))]
-
-    def round_config(self, rnd: int) -> ConfigRecord:
-        """The training config every silo gets with the model."""
-        return ConfigRecord({"server-round": rnd, wire.VERSION_KEY: self.state.version,
-                             wire.REPLY_KEY: "delta", wire.TASK_KEY: self.task_json,
-                             wire.SEED_KEY: self.seed})
+    def next_round(self, run_id: str, rnd: int) -> RoundResult:
+        """One cross-silo round: send, let the silos aggregate, verify."""
+        ctx = self.ctx
+        eligible = [n for n in ctx.wait_for_nodes() if n not in self.excluded]
+        order = draw_cohort(eligible, fed=ctx.fed, concurrency=ctx.driver.concurrency,
+                            seed=ctx.seed, rnd=rnd, dp=ctx.dp, shuffle=True)
+        ctx.reporter.round_started(rnd, len(order))
+        return self.ring.collect(self, run_id, rnd, order)
 
     def ring_records(self, run_id: str, rnd: int, order: list[int],
                      **extra: Any) -> list[ConfigRecord]:
@@ -317,119 +317,94 @@ class CrossSiloDriver(SyncDriver):
             records.append(ConfigRecord({**spec.to_dict(), **extra}))
         return records
 
-    def _messages(self, run_id: str, rnd: int, order: list[int]) -> list[Message]:
-        config = self.round_config(rnd)
-        arrays = wire.model_record(self.layout, self.state.params)
+    def messages(self, run_id: str, rnd: int, order: list[int]) -> list[Message]:
+        """Each silo's training message: the model, its config and its place in the ring."""
+        config = self.ctx.train_config(rnd)
+        arrays = self.ctx.model_record()
         rings = self.ring_records(run_id, rnd, order,
                                   **{WEIGHT_BY_KEY: self.weight_by, MAX_NORM_KEY: self.max_norm})
         return [Message(RecordDict({"arrays": arrays, "config": config, RING_RECORD: ring}),
                         node, f"train.{CROSS_SILO_ACTION}", group_id=str(rnd))
                 for node, ring in zip(order, rings, strict=True)]
 
-    def exchange(self, rnd: int, messages: list[Message]) -> dict[int, Message]:
+    def joined(self, messages: list[Message]) -> set[int]:
+        """The nodes of ``messages`` (one round's ring) that arrived at its rendezvous."""
+        import torch.distributed as dist
+
+        assert self.rendezvous is not None
+        out = set()
+        for m in messages:
+            ring = m.content[RING_RECORD]
+            store = dist.PrefixStore(str(ring["prefix"]), self.rendezvous.store)
+            if store.check([f"joined/{ring['rank']}"]):
+                out.add(m.metadata.dst_node_id)
+        return out
+
+    def collect_ring(self, rnd: int, messages: list[Message]) -> dict[int, Message]:
         """Push, then collect replies until all came or the deadline passed. Once a silo
         reports a failure, stop waiting as soon as every silo still silent has been named by
-        a failure report (it hangs or is gone), and at the latest after a grace period for
-        the others' reports."""
-        node_of = push(self.grid, messages)
+        a failure report (it hangs or is gone) or has had ``failure_grace_s`` to give up on
+        its own and report, counted from when it joined the rendezvous (from the failure if
+        it has not joined)."""
+        node_of = push(self.ctx.grid, messages)
         rank_of = {m.metadata.dst_node_id: rank for rank, m in enumerate(messages)}
+        message_of = {m.metadata.message_id: m for m in messages}
         replies: dict[int, Message] = {}
-        grace_end: float | None = None  # set by the first failure: the others' reports due
+        failed_at: float | None = None  # the first failure report's arrival
+        joined_at: dict[str, float] = {}  # message id -> when its silo was seen at the rendezvous
         named: set[int] = set()  # ring ranks that failure reports point at
+        grace = self.silo.failure_grace_s()
 
         def take(msg_id: str, reply: Message) -> None:
-            nonlocal grace_end
+            nonlocal failed_at
             replies[node_of[msg_id]] = reply
-            self.reporter.client_done(rnd, len(replies), len(messages))
+            self.ctx.reporter.client_done(rnd, len(replies), len(messages))
             result = None if reply.has_error() else reply.content.get(RESULT_RECORD)
             if not isinstance(result, ConfigRecord) or result.get("status") != STATUS_OK:
-                if grace_end is None:
-                    grace_end = time.monotonic() + self.silo.failure_grace_s()
+                if failed_at is None:
+                    failed_at = time.monotonic()
                 peers = result.get("peers", []) if isinstance(result, ConfigRecord) else []
                 named.update(int(p) for p in peers if isinstance(p, int))
 
         def failed_and_done(pending: Set[str]) -> bool:
-            """After a failure: the grace period is over, or every silo still silent is
-            one the failure reports point at (it hangs or is gone)."""
-            return grace_end is not None and (
-                time.monotonic() >= grace_end
-                or all(rank_of[node_of[i]] in named for i in pending))
+            """After a failure: every silo still silent is one the failure reports point at
+            (it hangs or is gone), or has had the grace to report on its own."""
+            if failed_at is None:
+                return False
+            now = time.monotonic()
+            silent = [i for i in pending if rank_of[node_of[i]] not in named]
+            arrived = self.joined([message_of[i] for i in silent if i not in joined_at])
+            joined_at.update({i: now for i in silent if node_of[i] in arrived})
+            return all(now >= joined_at.get(i, failed_at) + grace for i in silent)
 
-        collect(self.grid, node_of, timeout=self.driver.deadline(self.fed.round_timeout_s),
-                poll=self.fed.poll_s, on_reply=take, stop=failed_and_done)
+        collect(self.ctx.grid, node_of,
+                timeout=self.ctx.driver.deadline(self.ctx.fed.round_timeout_s),
+                poll=self.ctx.fed.poll_s, on_reply=take, stop=failed_and_done)
         return replies
 
     def exclude(self, rnd: int, blamed: dict[int, str]) -> None:
         """Leave ``blamed`` silos out of later rounds, with the reason."""
         for node, why in blamed.items():
             self.excluded[node] = why
-            self.reporter.message(f"round {rnd}: silo {node} takes no further part: {why}")
+            self.ctx.reporter.message(f"round {rnd}: silo {node} takes no further part: {why}")
 
-    def run_round(self, run_id: str, rnd: int) -> dict[str, float]:
-        """One cross-silo round: send, let the silos aggregate, verify, apply, record."""
-        t0 = time.perf_counter()
-        order = self.ring_order(rnd)
-        self.reporter.round_started(rnd, len(order))
-        if self.secure is not None:  # SecAgg+ silos: the ring sums masked vectors
-            from server.cross_silo_secure import secure_ring_round
 
-            done = secure_ring_round(self, run_id, rnd, order)
-        else:
-            done = self._plain_round(run_id, rnd, order)
-        return self._finish_round(run_id, rnd, t0, order, done)
+class PlainRing:
+    """The silos allreduce their updates; rank 0 sends the aggregate, all send digests."""
 
-    def _plain_round(self, run_id: str, rnd: int, order: list[int]) -> RoundDone:
-        state = self.state
-        replies = self.exchange(rnd, self._messages(run_id, rnd, order))
-        outcome = judge(order, replies, self.layout.dim)
-        self.last = outcome
-        records = outcome.records(state.version)
-        if outcome.completed:
-            state.params = self.pipeline.apply(state.params, outcome.aggregate,
-                                               total_weight=outcome.total_weight,
-                                               count=outcome.count)
-            state.version += 1
-        else:
-            self.reporter.message(f"round {rnd}: cross-silo round failed: {outcome.failure}; "
-                                  "the model is unchanged")
-        self.exclude(rnd, outcome.blamed)
+    def collect(self, rounds: CrossSiloRounds, run_id: str, rnd: int,
+                order: list[int]) -> RoundResult:
+        ctx = rounds.ctx
+        messages = rounds.messages(run_id, rnd, order)
+        replies = rounds.collect_ring(rnd, messages)
+        outcome = judge(order, replies, ctx.layout.dim, joined=rounds.joined(messages))
+        rounds.exclude(rnd, outcome.blamed)
         metrics = outcome.metrics()
-        losses = [(s.metrics["train_loss"], s.num_examples or 0) for s in outcome.silos
-                  if "train_loss" in s.metrics]
-        if losses and sum(w for _, w in losses) > 0:
-            metrics["train_loss"] = float(np.average([v for v, _ in losses],
-                                                     weights=[w for _, w in losses]))
-        return RoundDone(applied=outcome.completed,
-                         status="completed" if outcome.completed else "failed",
-                         records=records, metrics=metrics, replies=len(replies))
-
-    def _finish_round(self, run_id: str, rnd: int, t0: float, order: list[int],
-                      done: RoundDone) -> dict[str, float]:
-        """Evaluate, charge privacy, record the round and its fates, checkpoint, report."""
-        state = self.state
-        state.round = rnd
-        metrics = {k: float(v) for k, v in self.task.evaluate(state.params).items()}
-        metrics.update(done.metrics)
-        metrics.update(self.grid.since_last())  # bytes_up, bytes_down
-        self.account_privacy(run_id, rnd, released=done.applied, metrics=metrics,
-                             noise_multiplier=done.noise_multiplier)
-        records = done.records
-        counts = {f: sum(r.fate == f for r in records) for f in ("accepted", "rejected",
-                                                                 "dropped")}
-        self.store.record_round(run_id, round=rnd, model_version=state.version,
-                                status=done.status, num_sampled=len(order),
-                                num_replies=done.replies, num_accepted=counts["accepted"],
-                                num_rejected=counts["rejected"], num_dropped=counts["dropped"],
-                                metrics=metrics, wall_s=time.perf_counter() - t0,
-                                updates=records)
-        state.history.append(metrics)
-        if self.fed.checkpoint_every and (rnd % self.fed.checkpoint_every == 0
-                                          or rnd == self.fed.rounds):
-            self.store.save_checkpoint(run_id, round=rnd, model_version=state.version,
-                                       params=state.params,
-                                       state={"pipeline": self.pipeline.state_dict(),
-                                              "dp": self.dp.state_dict() if self.dp else {}})
-        self.reporter.round_finished(rnd, {**metrics, "accepted": float(counts["accepted"]),
-                                           "rejected": float(counts["rejected"]),
-                                           "dropped": float(counts["dropped"])})
-        return metrics
+        metrics.update(mean_loss([(s.metrics["train_loss"], s.num_examples or 0)
+                                  for s in outcome.silos if "train_loss" in s.metrics]))
+        return RoundResult(aggregate=outcome.aggregate,
+                           status="completed" if outcome.completed else "failed",
+                           records=outcome.records(ctx.state.version), num_sampled=len(order),
+                           num_replies=len(replies), total_weight=outcome.total_weight,
+                           count=outcome.count, metrics=metrics,
+                           note=f"cross-silo round failed: {outcome.failure}")

@@ -23,21 +23,21 @@ no recovery inside the ring.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from client import secure_client as sc
-from client import wire
 from client.silo_app import BITS_KEY, CROSS_SILO_ACTION, RING_RECORD
 from privacy.secagg import SecAggServer
-from server.cross_silo import CrossSiloOutcome, RoundDone, judge
-from server.secure_round import SecureRoundOutcome, secure_round, session_id
+from server.cross_silo import CrossSiloOutcome, CrossSiloRounds, judge
+from server.rounds import RoundResult
+from server.secure_round import (
+    SecureRoundOutcome,
+    SecureSettings,
+    secure_result,
+    secure_round,
+    session_id,
+)
 from server.store import UpdateRecord
-
-if TYPE_CHECKING:
-    from server.cross_silo import CrossSiloDriver
 
 KEY_STAGES = ("advertise_keys", "share_keys", "unmasking")  # dropouts there are the silo's
 
@@ -45,9 +45,9 @@ KEY_STAGES = ("advertise_keys", "share_keys", "unmasking")  # dropouts there are
 class RingStage:
     """The masked-input stage of one secure cross-silo round, over the ring."""
 
-    def __init__(self, driver: CrossSiloDriver, run_id: str, rnd: int,
+    def __init__(self, rounds: CrossSiloRounds, run_id: str, rnd: int,
                  order: list[int]) -> None:
-        self.driver, self.run_id, self.rnd, self.order = driver, run_id, rnd, order
+        self.rounds, self.run_id, self.rnd, self.order = rounds, run_id, rnd, order
         self.outcome: CrossSiloOutcome | None = None  # the ring's verdict, once it ran
         self.failure = ""  # why the session got no masked sum
         self.blamed: dict[int, str] = {}  # silos whose shares failed authentication
@@ -60,13 +60,13 @@ class RingStage:
                             f"secagg.min_survivors = {least}: no ring is formed and no sum "
                             "revealed")
             return
-        rings = self.driver.ring_records(self.run_id, self.rnd, members,
+        rings = self.rounds.ring_records(self.run_id, self.rnd, members,
                                          **{BITS_KEY: session.config.bits})
         messages = [Message(RecordDict({sc.RECORD: ConfigRecord({sc.MSG: outbox[node]}),
                                         RING_RECORD: ring}),
                             node, f"query.{CROSS_SILO_ACTION}", group_id=str(self.rnd))
                     for node, ring in zip(members, rings, strict=True)]
-        replies = self.driver.exchange(self.rnd, messages)
+        replies = self.rounds.collect_ring(self.rnd, messages)
         outcome = judge(members, replies, session.config.dim, words=session.config.word_dtype)
         self.outcome = outcome
         if not outcome.completed:
@@ -85,62 +85,40 @@ class RingStage:
         return self.outcome is not None and not self.outcome.completed
 
 
-def secure_ring_round(driver: CrossSiloDriver, run_id: str, rnd: int,
-                      order: list[int]) -> RoundDone:
-    """One secure cross-silo round with the silos of ``order``: aggregate and apply."""
-    state, secure = driver.state, driver.secure
-    version = state.version
-    stage = RingStage(driver, run_id, rnd, order)
-    outcome = secure_round(
-        driver.grid, nodes=order, arrays=wire.model_record(driver.layout, state.params),
-        config=driver.round_config(rnd), settings=secure.settings, weight_by=driver.weight_by,
-        dim=driver.layout.dim, session=session_id(run_id), rnd=rnd,
-        timeout=driver.driver.deadline(driver.fed.round_timeout_s), poll=driver.fed.poll_s,
-        on_reply=lambda i: driver.reporter.client_done(rnd, i, len(order)), dp=driver.dp,
-        masked_input=stage)
-    if stage.failure:
-        outcome.abort_reason = stage.failure
-    secure.last = outcome
-    driver.last = stage.outcome
-    applied = outcome.weighted_sum is not None and outcome.total_weight > 0
-    if applied:
-        state.params = driver.pipeline.apply(state.params, _aggregate(driver, outcome),
-                                             total_weight=outcome.total_weight,
-                                             count=len(outcome.survivors))
-        state.version += 1
-    else:
-        driver.reporter.message(f"round {rnd}: secure cross-silo round "
-                                f"{'failed' if stage.ring_failed else outcome.status}: "
-                                f"{outcome.abort_reason or 'no weight'}; the model is unchanged")
-    records = {r.client_id: r for r in outcome.update_records()}
-    if stage.ring_failed:  # the ring's own verdict on its silos
-        records.update({r.client_id: r for r in stage.outcome.records(version)})
-    driver.exclude(rnd, _blamed(outcome, stage))
-    driver.store.record_secagg_round(
-        run_id, round=rnd, status=outcome.status, k=outcome.k, t=outcome.t,
-        participants=outcome.participants, dropouts=outcome.dropouts,
-        survivors=outcome.survivors, rejected=outcome.rejected, excluded=outcome.excluded,
-        abort_reason=outcome.abort_reason, seconds=outcome.stage_seconds)
-    metrics = stage.outcome.metrics() if stage.outcome is not None else {"ring_silos": 0.0}
-    if applied:
-        metrics["ring_total_weight"] = outcome.total_weight
-    status = ("completed" if applied else "failed" if stage.ring_failed
-              else "aborted" if outcome.status == "aborted" else "failed")
-    return RoundDone(applied=applied, status=status,
-                     records=[records[str(n)] for n in outcome.participants],
-                     metrics=metrics, replies=outcome.replies,
-                     noise_multiplier=outcome.noise_multiplier)
+class SecureRing:
+    """Secure cross-silo rounds: a SecAgg+ session whose masked-input stage is the ring."""
 
+    def __init__(self, secure: SecureSettings) -> None:
+        self.secure = secure
 
-def _aggregate(driver: CrossSiloDriver, outcome: SecureRoundOutcome) -> np.ndarray:
-    """The decoded sum as the pipeline takes it, as in a sync secure round: the mean (or
-    the sum); central DP: the sum (the pipeline noises and divides); distributed DP: the
-    noisy sum over the expected count, a number that does not depend on the data."""
-    dp = driver.dp
-    divisor = 1.0 if driver.combine == "sum" else outcome.total_weight
-    if dp is not None:
-        divisor = 1.0 if dp.config.mode == "central" else float(dp.clients_per_round)
-    return (outcome.weighted_sum / divisor).astype(np.float32)
+    def collect(self, rounds: CrossSiloRounds, run_id: str, rnd: int,
+                order: list[int]) -> RoundResult:
+        """One secure cross-silo round with the silos of ``order``, up to its result."""
+        ctx, secure = rounds.ctx, self.secure
+        version = ctx.state.version
+        stage = RingStage(rounds, run_id, rnd, order)
+        outcome = secure_round(
+            ctx.grid, nodes=order, arrays=ctx.model_record(), config=ctx.train_config(rnd),
+            settings=secure.settings, weight_by=rounds.weight_by, dim=ctx.layout.dim,
+            session=session_id(run_id), rnd=rnd,
+            timeout=ctx.driver.deadline(ctx.fed.round_timeout_s), poll=ctx.fed.poll_s,
+            on_reply=lambda i: ctx.reporter.client_done(rnd, i, len(order)), dp=ctx.dp,
+            masked_input=stage)
+        if stage.failure:
+            outcome.abort_reason = stage.failure
+        aggregate = secure.aggregate(outcome, ctx.dp)
+        records = {r.client_id: r for r in outcome.update_records()}
+        if stage.ring_failed:  # the ring's own verdict on its silos
+            records.update({r.client_id: r for r in stage.outcome.records(version)})
+        rounds.exclude(rnd, _blamed(outcome, stage))
+        metrics = stage.outcome.metrics() if stage.outcome is not None else {"ring_silos": 0.0}
+        if aggregate is not None:
+            metrics["ring_total_weight"] = outcome.total_weight
+        metrics.update(outcome.train_loss())
+        return secure_result(outcome, aggregate, num_sampled=len(order), metrics=metrics,
+                             records=[records[str(n)] for n in outcome.participants],
+                             status="failed" if aggregate is None and stage.ring_failed
+                             else None, what="secure cross-silo round")
 
 
 def _blamed(outcome: SecureRoundOutcome, stage: RingStage) -> dict[int, str]:

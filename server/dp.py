@@ -53,16 +53,14 @@ task), since who can be sampled would then depend on earlier, secret cohorts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from aggregation import Candidate, PostStage, UpdateStage
 from privacy.dp import AdaptiveClip, DistributedDPPlan, DPConfig, central_dp_mean
 from privacy.dp.distributed import MAX_BITS, plan_distributed_dp
-
-if TYPE_CHECKING:
-    from server.config import FederationConfig
+from server.config import FederationConfig
 
 
 @dataclass(frozen=True)
@@ -323,8 +321,7 @@ def figure_relations(dp: DPConfig, sampling: str) -> tuple[str, str | None]:
 def dp_controller(dp: DPConfig, fed: FederationConfig) -> DPController:
     """The run's privacy controller for a validated ``[dp]`` and ``[federation]``."""
     poisson = fed.sampling == "poisson"
-    per_round = fed.sample_fraction * fed.clients if poisson else \
-        fed.clients_per_round(fed.clients)
+    per_round = fed.expected_per_round()
     return DPController(dp, clients=fed.clients, clients_per_round=max(1, round(per_round)),
                         sampling=fed.sampling,
                         sampling_rate=fed.sample_fraction if poisson else None)

@@ -1,10 +1,8 @@
 """The ``[driver]`` and ``[clients]`` scenario sections, validated.
 
-``[driver]`` picks the round driver (sync, FedAsync, FedBuff or cross-silo) and its straggler
-handling; ``[clients]`` describes simulated client speed and availability. The staleness
-keys exist in ``[aggregation]`` too (its pipeline applies them): ``merge_staleness``
-makes the two sections agree before they are validated, and ``server.config``'s
-``StalenessConfig`` checks them for both.
+``[driver]`` picks the round driver (sync, FedAsync, FedBuff or cross-silo), its straggler
+handling and the staleness keys (``server.config.StalenessConfig``, which the aggregation
+pipeline applies); ``[clients]`` describes simulated client speed and availability.
 """
 
 from __future__ import annotations
@@ -13,14 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from server.config import (
-    STALENESS_KEYS,
-    AggregationConfig,
-    FederationConfig,
-    StalenessConfig,
-    check_choice,
-    from_section,
-)
+from server.config import AggregationConfig, FederationConfig, StalenessConfig, check_choice
 
 DRIVER_KINDS = ("sync", "fedasync", "fedbuff", "cross_silo")
 LATE_POLICIES = ("drop", "carry")
@@ -83,6 +74,10 @@ class DriverConfig:
         """Clients training at once: the configured limit, else the clients per round."""
         return self.concurrency or clients_per_round
 
+    def staleness_config(self) -> StalenessConfig:
+        """The staleness function and bound, for the pipeline and the async drivers."""
+        return StalenessConfig.of(self)
+
     def deadline(self, round_timeout_s: float) -> float:
         """Seconds the server waits for a reply (the deadline, else the round timeout)."""
         return self.deadline_s if self.deadline_s > 0 else round_timeout_s
@@ -122,38 +117,6 @@ class ClientsConfig:
                              f"{self.straggler_slowdown}")
         if not (self.online_s > 0 and self.offline_s > 0):
             raise ValueError("clients.online_s and clients.offline_s must be > 0")
-
-
-def merge_staleness(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """``raw`` with the staleness keys of ``[driver]`` and ``[aggregation]`` made equal.
-
-    A key set in one section is copied to the other; set in both to different values,
-    it is an error (the scenario would be ambiguous). The merged keys are checked here, so
-    that an error names a key in the section the scenario set it in.
-    """
-    driver = raw.get("driver", {})
-    aggregation = raw.get("aggregation", {})
-    if not isinstance(driver, Mapping) or not isinstance(aggregation, Mapping):
-        return dict(raw)  # validation reports the non-table section
-    driver, aggregation = dict(driver), dict(aggregation)
-    written: dict[str, str] = {}  # key -> the section it was set in
-    for key in STALENESS_KEYS:
-        if key in driver and key in aggregation and driver[key] != aggregation[key]:
-            raise ValueError(f"driver.{key} = {driver[key]!r} and aggregation.{key} = "
-                             f"{aggregation[key]!r} disagree; set it in [driver] only")
-        if key in driver:
-            aggregation[key], written[key] = driver[key], "driver"
-        elif key in aggregation:
-            driver[key], written[key] = aggregation[key], "aggregation"
-    typed = {key: getattr(from_section(StalenessConfig, section, {key: driver[key]}), key)
-             for key, section in written.items()}  # a bad type fails naming section.key
-    StalenessConfig(**typed).check("driver", written)
-    out = dict(raw)
-    if driver:
-        out["driver"] = driver
-    if aggregation:
-        out["aggregation"] = aggregation
-    return out
 
 
 def check_driver(config: Mapping[str, Any]) -> None:

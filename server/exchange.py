@@ -52,3 +52,45 @@ def collect(grid: Grid, ids: Iterable[str], *, timeout: float, poll: float,
             break
         time.sleep(poll)
     return [i for i in order if i in pending]
+
+
+def push_and_collect_in_order(
+        grid: Grid, messages: list[Message], *, timeout: float, poll: float,
+        on_reply: Callable[[Message], None], pending_out: dict[str, int] | None = None,
+        on_push: Callable[[dict[str, int]], None] | None = None) -> tuple[int, list[int]]:
+    """Push messages and hand each reply to ``on_reply`` as soon as it can be consumed.
+
+    Replies are consumed in push order (a reply that arrives early waits for the ones
+    before it), so the aggregate does not depend on arrival order; on the in-process
+    engine they arrive in that order and nothing waits. Each reply is dropped once
+    consumed, so the server holds at most the out-of-order ones. Returns the number of
+    replies and the destination node ids that did not answer before the deadline (their
+    message ids go to ``pending_out`` when given, to pull the replies later).
+    ``on_push`` gets {message id: destination node} once the messages are pushed. A reply
+    to no pending message (a duplicate or a replay) goes to ``on_reply`` at once, to be
+    rejected there, and does not count.
+    """
+    nodes_by_id = push(grid, messages)
+    if on_push is not None:
+        on_push(nodes_by_id)
+    pushed = set(nodes_by_id.values())
+    missing = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in pushed]
+    position = {msg_id: i for i, msg_id in enumerate(nodes_by_id)}
+    waiting: dict[int, Message] = {}
+    next_pos = 0
+
+    def in_push_order(msg_id: str, reply: Message) -> None:
+        nonlocal next_pos
+        waiting[position[msg_id]] = reply
+        while next_pos in waiting:
+            on_reply(waiting.pop(next_pos))
+            next_pos += 1
+
+    # A reply to no pending message (a duplicate, or a reply to another round) is rejected.
+    late = collect(grid, nodes_by_id, timeout=timeout, poll=poll, on_reply=in_push_order,
+                   on_stray=on_reply)
+    for pos in sorted(waiting):  # the deadline passed with gaps: consume the rest in order
+        on_reply(waiting.pop(pos))
+    if pending_out is not None:
+        pending_out.update({i: nodes_by_id[i] for i in late})
+    return len(nodes_by_id) - len(late), missing + [nodes_by_id[i] for i in late]

@@ -44,7 +44,8 @@ from privacy.secagg.policy import (
     SecAggPolicy,
 )
 from privacy.secagg.quantize import max_level
-from server.driver_config import FEDASYNC_SECAGG
+from server.config import FederationConfig
+from server.driver_config import FEDASYNC_SECAGG, DriverConfig
 
 ROUNDINGS = ("nearest", "stochastic")
 MIN_LEVEL_BITS = 8  # a client's coordinate must keep at least this many bits of resolution
@@ -236,13 +237,9 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
 
 
 def max_round_size(config: Mapping[str, Any]) -> int:
-    """The most clients one secure sum can hold: the clients sampled per round (all of
-    them under Poisson sampling), or FedBuff's ``buffer_size``."""
-    driver = dict(config.get("driver", {}))
-    if driver.get("kind", "sync") == "fedbuff":
-        return int(driver.get("buffer_size", 10))
-    fed = config["federation"]
-    n = int(fed["clients"])
-    if fed.get("sampling", "fixed") == "fixed":
-        n = min(n, max(int(fed["min_clients"]), round(fed["sample_fraction"] * n)))
-    return n
+    """The most clients one secure sum can hold: the most clients per round, or FedBuff's
+    ``buffer_size``."""
+    driver = DriverConfig(**dict(config.get("driver") or {}))
+    if driver.kind == "fedbuff":
+        return driver.buffer_size
+    return FederationConfig(**config["federation"]).max_per_round()

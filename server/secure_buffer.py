@@ -8,7 +8,7 @@ only ``sum_i w_i s(tau_i) clip(delta_i)`` and ``sum_i w_i``: ``w_i`` is the clie
 example count capped at ``secagg.max_weight`` (1 with uniform weights) and ``s(tau_i)``
 the staleness factor the server sends it with SETUP, so the weights are applied on the
 clients. Their ratio is FedBuff's aggregate ``sum_i w_i s_i delta_i / sum_i w_i`` (see
-``server.async_driver``), which the server optimizer applies with its learning rate.
+``server.fedbuff``), which the server optimizer applies with its learning rate.
 
 The server knows each ready client's base version, so an update beyond
 ``max_staleness`` is refused before the secure stages. A client that drops during them
@@ -26,20 +26,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-import numpy as np
 from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from client import secure_client as sc
-from server.compression import RoundPattern
-from server.secure_round import SecureRoundOutcome, SecureRounds, secure_round
-from server.store import Store, UpdateRecord
+from server.secure_round import SecureRoundOutcome, SecureSettings, secure_round, session_id
+from server.store import UpdateRecord
 
 
 class SecureBuffer:
     """Clients holding their trained updates; one secure sum once ``size`` are ready."""
 
-    def __init__(self, secure: SecureRounds, *, version: int, size: int,
+    def __init__(self, secure: SecureSettings, *, version: int, size: int,
                  staleness: Callable[[int], float], max_staleness: int | None) -> None:
         self.secure = secure
         self.version = version
@@ -100,21 +98,16 @@ class SecureBuffer:
         return {node: float(self.staleness(self.version - base))
                 for node, base in self.ready.items()}
 
-    def finish(self, grid: Grid, *, dim: int, session: int, rnd: int, timeout: float,
-               poll: float, sparse: RoundPattern | None = None) -> np.ndarray | None:
-        """Run the buffer's secure stages; FedBuff's aggregate, or None if it aborted.
-
-        ``sparse``: the buffer's shared top-k pattern (the clients pick its coordinates
-        of the delta they hold when SETUP comes), or None for dense updates."""
-        outcome = secure_round(grid, nodes=list(self.ready), arrays=None, config=None,
-                               settings=self.secure.settings, weight_by=self.secure.weight_by,
-                               dim=dim, session=session, rnd=rnd, timeout=timeout, poll=poll,
-                               held=self.factors(), sparse=sparse)
-        self.outcome = self.secure.last = outcome
-        if outcome.weighted_sum is None or not outcome.total_weight > 0:
-            return None
-        divisor = 1.0 if self.secure.combine == "sum" else outcome.total_weight
-        return (outcome.weighted_sum / divisor).astype(np.float32)
+    def finish(self, grid: Grid, *, dim: int, run_id: str, rnd: int, timeout: float,
+               poll: float) -> SecureRoundOutcome:
+        """Run the buffer's secure stages (dense, or on the round's shared top-k pattern:
+        the clients pick its coordinates of the delta they hold when SETUP comes)."""
+        self.outcome = secure_round(
+            grid, nodes=list(self.ready), arrays=None, config=None,
+            settings=self.secure.settings, weight_by=self.secure.weight_by, dim=dim,
+            session=session_id(run_id), rnd=rnd, timeout=timeout, poll=poll,
+            held=self.factors(), sparse=self.secure.pattern(run_id, rnd, dim))
+        return self.outcome
 
     def records(self) -> list[UpdateRecord]:
         """The buffer's update records, with base version, staleness and factor s(tau)."""
@@ -124,13 +117,3 @@ class SecureBuffer:
                         staleness=self.version - self.ready[int(r.client_id)],
                         weight=factors[int(r.client_id)])
                 for r in self.outcome.update_records()]
-
-    def save(self, store: Store, run_id: str, rnd: int) -> None:
-        """Record the buffer's secure session (participants, dropouts, survivors)."""
-        o = self.outcome
-        assert o is not None, "finish() first"
-        store.record_secagg_round(run_id, round=rnd, status=o.status, k=o.k, t=o.t,
-                                  participants=o.participants, dropouts=o.dropouts,
-                                  survivors=o.survivors, rejected=o.rejected,
-                                  excluded=o.excluded, abort_reason=o.abort_reason,
-                                  seconds=o.stage_seconds)

@@ -42,12 +42,13 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from client import secure_client as sc
@@ -58,12 +59,14 @@ from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize
 from privacy.secagg.quantize import contribution_clip, decode_error_l2, max_level
 from server.compression import RoundPattern, SharedPattern
 from server.exchange import collect, push
+from server.rounds import RoundResult, RunContext, mean_loss
 from server.secagg_config import SecAggScenarioConfig
 from server.store import UpdateRecord
+from server.sync_rounds import Collector
 
 if TYPE_CHECKING:
     from server.dp import DPController
-    from server.sync_driver import SyncDriver
+    from server.scenario import ServerScenario
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 
@@ -100,6 +103,19 @@ class SecureRoundOutcome:
     server_seconds: dict[str, float] = field(default_factory=dict)  # inside SecAggServer
     server_cpu_seconds: dict[str, float] = field(default_factory=dict)  # its CPU time
     noise_multiplier: float | None = None  # distributed DP: what the decoded sum's noise is
+    losses: dict[int, tuple[float, float]] = field(default_factory=dict)  # (loss, examples)
+
+    def session_record(self) -> dict[str, Any]:
+        """The stored secure-aggregation session (``Store.record_secagg_round``'s keys)."""
+        return {"status": self.status, "k": self.k, "t": self.t,
+                "participants": self.participants, "dropouts": self.dropouts,
+                "survivors": self.survivors, "rejected": self.rejected,
+                "excluded": self.excluded, "abort_reason": self.abort_reason,
+                "seconds": self.stage_seconds}
+
+    def train_loss(self) -> dict[str, float]:
+        """The survivors' example-weighted mean training loss, when they reported one."""
+        return mean_loss([self.losses[n] for n in self.survivors if n in self.losses])
 
     def update_records(self) -> list[UpdateRecord]:
         """One record per participant: accepted survivor, dropped or rejected (why)."""
@@ -139,8 +155,19 @@ def _payload(reply: Message) -> bytes:
     return value if isinstance(value, bytes) else b""
 
 
-def _exchange(grid: Grid, messages: list[Message], *, timeout: float, poll: float,
-              on_reply: Callable[[int, Message], None]) -> None:
+def _reported_loss(reply: Message) -> tuple[float, float] | None:
+    """(train_loss, examples) from a training reply's metrics, if it reports them."""
+    metrics = reply.content.get("metrics")
+    if not isinstance(metrics, MetricRecord) or "train_loss" not in metrics:
+        return None
+    loss, examples = metrics["train_loss"], metrics.get(wire.NUM_EXAMPLES, 1)
+    if not isinstance(loss, int | float) or not isinstance(examples, int | float):
+        return None
+    return float(loss), float(examples)
+
+
+def _push_and_collect(grid: Grid, messages: list[Message], *, timeout: float, poll: float,
+                      on_reply: Callable[[int, Message], None]) -> None:
     """Push, then hand each reply to ``on_reply(node, reply)`` until all came or time is up."""
     node_of = push(grid, messages)
     collect(grid, node_of, timeout=timeout, poll=poll,
@@ -231,6 +258,10 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
             outcome.errors[node] = _first_line(reply.error.reason)
             return
         payload = _payload(reply)
+        if server.stage is Stage.ADVERTISE_KEYS:
+            loss = _reported_loss(reply)
+            if loss is not None:
+                outcome.losses[node] = loss
         if not payload:
             outcome.errors[node] = "reply without a secure-aggregation payload"
         server.receive(node, payload)
@@ -242,7 +273,7 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
             masked_input(server, outbox)
         else:
             messages = [make(node, payload) for node, payload in outbox.items()]
-            _exchange(grid, messages, timeout=timeout, poll=poll, on_reply=receive)
+            _push_and_collect(grid, messages, timeout=timeout, poll=poll, on_reply=receive)
         outbox, make = server.advance(), later
         outcome.stage_seconds[stage_name(stage)] = time.perf_counter() - started
         if plan is not None and server.stage is Stage.UNMASKING and \
@@ -345,8 +376,10 @@ def central_dp_clip(settings: SecAggScenarioConfig, *, clip: float, dim: int, cl
     raise ValueError(f"{what}: {fix}, or raise dp.clip above {2 * margin:.3g}")
 
 
-class SecureRounds:
-    """Runs a SyncDriver's rounds with secure aggregation (``[secagg] enabled``)."""
+class SecureSettings:
+    """A run's secure aggregation (``[secagg] enabled``): its settings, start-up checks and
+    how a decoded sum becomes the aggregate the pipeline takes — one place for the sync,
+    secure FedBuff and cross-silo rounds."""
 
     def __init__(self, settings: SecAggScenarioConfig, *, combine: str, weight_by: str,
                  max_clients: int = 0, sparse: SharedPattern | None = None,
@@ -357,108 +390,90 @@ class SecureRounds:
         self.combine = combine
         self.weight_by = weight_by
         self.max_clients = max_clients  # the most participants a round can have
-        self.last: SecureRoundOutcome | None = None
 
-    def prepare(self, driver: SyncDriver) -> None:
+    def prepare(self, ctx: RunContext) -> None:
         """At the start of a run: plan distributed DP for the model and ``[secagg] bits``
         (ValueError, naming the key, when the noisy sum could wrap); for central DP check
         that rounding leaves clients enough of the clip (:func:`central_dp_clip`)."""
-        dp = driver.dp
+        dp, dim = ctx.dp, ctx.layout.dim
         if dp is not None and dp.config.mode == "central":
-            dim = driver.layout.dim
             central_dp_clip(self.settings, clip=dp.clip, clients=max(2, self.max_clients),
                             dim=self.sparse.config.k_for(dim) if self.sparse else dim,
                             weight_by=self.weight_by, qsgd=self.qsgd)
         if dp is not None and dp.config.mode == "distributed" and dp.plan is None:
-            dp.plan_distributed(dim=driver.layout.dim, bits=self.settings.bits,
-                                max_clients=self.max_clients)
+            dp.plan_distributed(dim=dim, bits=self.settings.bits, max_clients=self.max_clients)
 
     def pattern(self, run_id: str, rnd: int, dim: int) -> RoundPattern | None:
         """Round ``rnd``'s shared top-k pattern, or None when the rounds are dense."""
         return self.sparse.for_round(run_id, rnd, dim) if self.sparse is not None else None
 
-    def run_round(self, driver: SyncDriver, run_id: str, rnd: int, sampled: list[int],
-                  t0: float) -> dict[str, float]:
-        """One secure round of ``driver``: aggregate, apply, evaluate, record, checkpoint."""
-        state = driver.state
-        config = ConfigRecord({"server-round": rnd, wire.VERSION_KEY: state.version,
-                               wire.REPLY_KEY: "delta", wire.TASK_KEY: driver.task_json,
-                               wire.SEED_KEY: driver.seed})
+    def aggregate(self, outcome: SecureRoundOutcome, dp: DPController | None,
+                  weight: float | None = None) -> np.ndarray | None:
+        """The decoded sum as the pipeline takes it (None: nothing to apply): the mean (or
+        the sum, ``combine = "sum"``) over ``weight`` (default the sum's weight); central
+        DP: the sum (the pipeline noises it and divides by the public count); distributed
+        DP: the noisy sum over the expected count, a number that does not depend on data."""
+        if outcome.weighted_sum is None or outcome.total_weight <= 0:
+            return None
+        divisor = 1.0 if self.combine == "sum" else (weight or outcome.total_weight)
+        if dp is not None:
+            divisor = 1.0 if dp.config.mode == "central" else float(dp.clients_per_round)
+        return (outcome.weighted_sum / divisor).astype(np.float32)
+
+
+class SecureSum(Collector):
+    """A synchronous round's SecAgg+ session: the server learns only the cohort's sum."""
+
+    def __init__(self, ctx: RunContext, secure: SecureSettings) -> None:
+        self.ctx = ctx
+        self.secure = secure
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        self.secure.prepare(self.ctx)
+        yield
+
+    def collect(self, run_id: str, rnd: int, cohort: list[int]) -> RoundResult:
+        ctx, secure = self.ctx, self.secure
         outcome = secure_round(
-            driver.grid, nodes=sampled, arrays=wire.model_record(driver.layout, state.params),
-            config=config, settings=self.settings, weight_by=self.weight_by,
-            dim=driver.layout.dim, session=session_id(run_id), rnd=rnd,
-            timeout=driver.fed.round_timeout_s, poll=driver.fed.poll_s,
-            on_reply=lambda i: driver.reporter.client_done(rnd, i, len(sampled)),
-            dp=driver.dp, sparse=self.pattern(run_id, rnd, driver.layout.dim))
-        self.last = outcome
-        applied = outcome.weighted_sum is not None and outcome.total_weight > 0
-        if applied:
-            divisor = 1.0 if self.combine == "sum" else outcome.total_weight
-            if driver.dp is not None:  # central: the pipeline noises the sum and divides;
-                divisor = 1.0 if driver.dp.config.mode == "central" else \
-                    float(driver.dp.clients_per_round)  # distributed: a data-free count
-            aggregate = (outcome.weighted_sum / divisor).astype(np.float32)
-            state.params = driver.pipeline.apply(state.params, aggregate,
-                                                 total_weight=outcome.total_weight,
-                                                 count=len(outcome.survivors))
-            state.version += 1
-        state.round = rnd
-        clock = getattr(driver, "clock", None)
-        if clock is not None and clock.simulated:  # the slowest participant's training
-            clock.advance_to(max([clock.outcome(n).end for n in sampled] or [clock.now()]))
-        metrics = {k: float(v) for k, v in driver.task.evaluate(state.params).items()}
-        if clock is not None and clock.simulated:
-            metrics["sim_time_s"] = clock.now()
-        metrics.update(driver.grid.since_last())  # bytes_up (masked vectors), bytes_down
-        driver.account_privacy(run_id, rnd, released=applied, metrics=metrics,
-                               noise_multiplier=outcome.noise_multiplier)
-        records = outcome.update_records()
-        counts = {fate: sum(r.fate == fate for r in records)
-                  for fate in ("accepted", "rejected", "dropped")}
-        status = "completed" if applied else outcome.status if outcome.status == "aborted" \
-            else "failed"
-        if not applied:
-            driver.reporter.message(f"round {rnd}: secure aggregation {status}: "
-                                    f"{outcome.abort_reason or 'no weight'}; the model is "
-                                    "unchanged")
-        wall = time.perf_counter() - t0
-        driver.store.record_round(run_id, round=rnd, model_version=state.version,
-                                  status=status, num_sampled=len(sampled),
-                                  num_replies=outcome.replies,
-                                  num_accepted=counts["accepted"] if applied else 0,
-                                  num_rejected=counts["rejected"],
-                                  num_dropped=counts["dropped"], metrics=metrics, wall_s=wall,
-                                  updates=records)
-        driver.store.record_secagg_round(
-            run_id, round=rnd, status=outcome.status, k=outcome.k, t=outcome.t,
-            participants=outcome.participants, dropouts=outcome.dropouts,
-            survivors=outcome.survivors, rejected=outcome.rejected,
-            excluded=outcome.excluded, abort_reason=outcome.abort_reason,
-            seconds=outcome.stage_seconds)
-        state.history.append(metrics)
-        fed = driver.fed
-        if fed.checkpoint_every and (rnd % fed.checkpoint_every == 0 or rnd == fed.rounds):
-            driver.store.save_checkpoint(run_id, round=rnd, model_version=state.version,
-                                         params=state.params,
-                                         state={"pipeline": driver.pipeline.state_dict(),
-                                                "dp": driver.dp.state_dict() if driver.dp
-                                                else {}})
-        driver.reporter.round_finished(rnd, {**metrics, "accepted": float(counts["accepted"]),
-                                             "rejected": float(counts["rejected"]),
-                                             "dropped": float(counts["dropped"])})
-        return metrics
+            ctx.grid, nodes=cohort, arrays=ctx.model_record(), config=ctx.train_config(rnd),
+            settings=secure.settings, weight_by=secure.weight_by, dim=ctx.layout.dim,
+            session=session_id(run_id), rnd=rnd, timeout=ctx.fed.round_timeout_s,
+            poll=ctx.fed.poll_s, on_reply=lambda i: ctx.reporter.client_done(rnd, i, len(cohort)),
+            dp=ctx.dp, sparse=secure.pattern(run_id, rnd, ctx.layout.dim))
+        clock = ctx.clock
+        if clock.simulated:  # the slowest participant's training
+            clock.advance_to(max([clock.outcome(n).end for n in cohort] or [clock.now()]))
+        return secure_result(outcome, secure.aggregate(outcome, ctx.dp),
+                             num_sampled=len(cohort), metrics=outcome.train_loss())
 
 
-def make_secure_rounds(config: dict[str, Any]) -> SecureRounds | None:
-    """The secure-round runner of a resolved scenario, or None when secagg is off."""
+def secure_result(outcome: SecureRoundOutcome, aggregate: np.ndarray | None, *,
+                  num_sampled: int, metrics: dict[str, float],
+                  records: list[UpdateRecord] | None = None,
+                  status: str | None = None, what: str = "secure aggregation") -> RoundResult:
+    """The ``RoundResult`` of a secure session whose aggregate is ``aggregate``."""
+    applied = aggregate is not None
+    status = status or ("completed" if applied else
+                        "aborted" if outcome.status == "aborted" else "failed")
+    return RoundResult(aggregate=aggregate, status=status,
+                       records=records if records is not None else outcome.update_records(),
+                       num_sampled=num_sampled, num_replies=outcome.replies,
+                       total_weight=outcome.total_weight, count=len(outcome.survivors),
+                       metrics=metrics, noise_multiplier=outcome.noise_multiplier,
+                       secure=outcome,
+                       note=f"{what} {status}: {outcome.abort_reason or 'no weight'}")
+
+
+def make_secure_settings(scenario: ServerScenario) -> SecureSettings | None:
+    """The secure aggregation of a resolved scenario, or None when secagg is off;
+    ValueError for a combination that cannot run (a config made by hand is checked too)."""
     from server.secagg_config import check_secagg, max_round_size
 
-    settings = check_secagg(config)
-    if settings is None:
+    if check_secagg(scenario.raw) is None:
         return None
-    agg = config["aggregation"]
-    return SecureRounds(settings, combine=agg["combine"], weight_by=agg["weight_by"],
-                        max_clients=max_round_size(config),
-                        sparse=SharedPattern.from_config(config),
-                        qsgd=dict(config.get("compression") or {}).get("kind") == "qsgd")
+    agg, compression = scenario.aggregation, scenario.compression
+    return SecureSettings(scenario.secagg, combine=agg.combine, weight_by=agg.weight_by,
+                          max_clients=max_round_size(scenario.raw),
+                          sparse=SharedPattern.of(compression, secure=True),
+                          qsgd=compression.enabled and compression.kind == "qsgd")

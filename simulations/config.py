@@ -18,10 +18,16 @@ from client.training import TrainConfig
 from privacy.dp import DPConfig
 from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
 from server.compression import check_compression
-from server.config import AggregationConfig, FederationConfig, check_choice, from_section
+from server.config import (
+    STALENESS_KEYS,
+    AggregationConfig,
+    FederationConfig,
+    check_choice,
+    from_section,
+)
 from server.cross_silo_config import SiloConfig, check_cross_silo
 from server.dp import dp_controller
-from server.driver_config import ClientsConfig, DriverConfig, check_driver, merge_staleness
+from server.driver_config import ClientsConfig, DriverConfig, check_driver
 from server.secagg_config import SecAggScenarioConfig, check_secagg
 from simulations.attacks import AttackConfig, check_attack
 from simulations.datasets import dataset_names
@@ -124,7 +130,10 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     config: dict[str, Any] = {"name": str(raw.get("name", "scenario")),
                               "description": str(raw.get("description", "")), "seed": seed}
-    raw = merge_staleness(raw)  # [driver] and [aggregation] share the staleness keys
+    misplaced = [k for k in STALENESS_KEYS if k in dict(raw.get("aggregation") or {})]
+    if misplaced:
+        raise ValueError(f"aggregation.{misplaced[0]} is set in [driver]: use "
+                         f"driver.{misplaced[0]} (the staleness keys live in [driver])")
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})
         if not isinstance(values, Mapping):
@@ -135,7 +144,7 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     check_choice("model.kind", kind, model_names())
     config["model"] = model
     fed = FederationConfig(**config["federation"])
-    AggregationConfig(**config["aggregation"]).check_clients(fed.clients_per_round(fed.clients))
+    AggregationConfig(**config["aggregation"]).check_clients(fed.max_per_round())
     dp = DPConfig.from_dict(raw.get("dp", {}))
     config["dp"] = dp.to_dict()
     check_compression(config, raw.get("secagg", {}))  # may resolve [secagg] bits for QSGD

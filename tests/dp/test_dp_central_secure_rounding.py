@@ -17,6 +17,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
+from aggregation.compression import CompressionConfig
 from client import secure_client as sc
 from client import wire
 from client.secure_client import register_secagg
@@ -159,7 +160,8 @@ def test_shared_pattern_contribution_stays_within_the_clip():
                                     "dp.mode=central", f"dp.clip={C}", "dp.noise_multiplier=1",
                                     "aggregation.weight_by=uniform"])
     settings = SecAggScenarioConfig.from_dict(cfg["secagg"])
-    pattern = SharedPattern.from_config(cfg).for_round("run", 1, dim)
+    pattern = SharedPattern.of(CompressionConfig(**cfg["compression"]),
+                               secure=True).for_round("run", 1, dim)
     assert pattern.indices.size == dim // 2
     out, inputs = run(big_deltas(dim), settings, dp=central(), sparse=pattern)
     assert all(words.size == dim // 2 + 1 for words in inputs.values())  # k values + weight

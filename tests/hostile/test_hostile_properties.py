@@ -30,7 +30,7 @@ from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
 from server.replies import decode_train_reply
 from server.store import Store
-from server.sync_driver import _record
+from server.rounds import update_record
 from simulations.inprocess import InProcessGrid
 
 PROPERTY = settings(max_examples=150, deadline=None,
@@ -235,12 +235,12 @@ def test_any_reply_decodes_to_a_valid_update_or_a_wire_error_and_is_stored(pair,
                                     version=SENT_VERSION)
     except wire.WireError as exc:
         assert str(exc)
-        record = _record(agg.reject("7", str(exc)))
+        record = update_record(agg.reject("7", str(exc)))
     else:
         assert isinstance(update.num_examples, int) and 1 <= update.num_examples <= INT64_MAX
         assert update.base_version == SENT_VERSION
         assert all(math.isfinite(v) for v in update.metrics.values())
-        record = _record(agg.submit(update), update.metrics)  # never raises
+        record = update_record(agg.submit(update), update.metrics)  # never raises
     rnd = next(rounds)  # the store takes whatever the server records about it
     store.record_round(run_id, round=rnd, model_version=0, metrics={}, updates=[record])
     assert store.updates(run_id, round=rnd)[0][1].fate == record.fate

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from aggregation import Validate, Weight
+from server.config import AggregationConfig
 from server.driver_config import ClientsConfig, DriverConfig
 from simulations.config import load_scenario
 
@@ -20,13 +22,16 @@ def test_driver_staleness_reaches_the_aggregation_pipeline():
     cfg = load_scenario("default", ["driver.kind=fedbuff", "driver.staleness=hinge",
                                     "driver.staleness_a=2.0", "driver.staleness_b=3",
                                     "driver.max_staleness=7"])
-    for section in ("driver", "aggregation"):
-        assert cfg[section]["staleness"] == "hinge"
-        assert (cfg[section]["staleness_a"], cfg[section]["staleness_b"]) == (2.0, 3)
-        assert cfg[section]["max_staleness"] == 7
-    # set in [aggregation] only, it is shown in [driver] too
-    cfg = load_scenario("default", ["aggregation.staleness=polynomial"])
-    assert cfg["driver"]["staleness"] == "polynomial"
+    assert cfg["driver"]["staleness"] == "hinge"
+    assert (cfg["driver"]["staleness_a"], cfg["driver"]["staleness_b"]) == (2.0, 3)
+    assert "staleness" not in cfg["aggregation"]  # each key lives in one section
+    driver = DriverConfig(**cfg["driver"])
+    pipeline = AggregationConfig(**cfg["aggregation"]).build(
+        staleness=driver.staleness_config())
+    weight = next(s for s in pipeline.update_stages if isinstance(s, Weight))
+    validate = next(s for s in pipeline.update_stages if isinstance(s, Validate))
+    assert weight.staleness(5) == pytest.approx(1 / (2.0 * (5 - 3) + 1))  # hinge past b
+    assert validate.max_staleness == 7
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -36,7 +41,7 @@ def test_driver_staleness_reaches_the_aggregation_pipeline():
     (["driver.staleness=exponential"], "unknown staleness function 'exponential'"),
     (["driver.staleness=polynomial", "driver.staleness_a=-1"], "exponent a must be >= 0"),
     (["driver.max_staleness=-5"], "driver.max_staleness must be >= 0"),
-    (["aggregation.max_staleness=-5"], "aggregation.max_staleness must be >= 0"),
+    (["aggregation.max_staleness=5"], "use driver.max_staleness"),
     (["driver.staleness_a=x"], "driver.staleness_a must be float"),
     (["driver.alpha=0"], "driver.alpha must be in (0, 1]"),
     (["driver.deadline_s=-1"], "driver.deadline_s must be >= 0"),
@@ -48,7 +53,7 @@ def test_driver_staleness_reaches_the_aggregation_pipeline():
     (["clients.speed_sigma=-0.1"], "clients.speed_sigma must be in [0, 5]"),
     (["clients.offline_fraction=2"], "clients.offline_fraction must be in [0, 1]"),
     (["clients.compute_s=0"], "clients.compute_s must be > 0"),
-    (["driver.staleness=hinge", "aggregation.staleness=polynomial"], "disagree"),
+    (["aggregation.staleness=polynomial"], "the staleness keys live in [driver]"),
     (["driver.kind=fedbuff", "driver.buffer_size=50"], "exceeds federation.clients"),
     (["driver.concurrency=21"], "driver.concurrency (21) exceeds federation.clients"),
     (["driver.kind=fedasync", "aggregation.combine=median"], "needs aggregation.combine 'mean'"),

@@ -1,0 +1,56 @@
+"""Who takes part in a round: the cohort drawn from the eligible nodes.
+
+With DP on, the draw is secret (operating-system entropy) unless the run opts into
+``dp.reproducible_cohorts``: sampling amplification holds only while nobody who sees the
+released model can replay who took part (see ``server.dp``). Otherwise cohorts derive
+from (seed, round), so a simulation replays them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from server.config import FederationConfig
+
+if TYPE_CHECKING:
+    from server.dp import DPController
+
+
+def cohort_rng(seed: int, rnd: int, *, secret: bool, stream: int = 0) -> np.random.Generator:
+    """The generator that draws round ``rnd``'s cohort: from operating-system entropy when
+    the draw must stay secret, else from (seed, round, stream)."""
+    if secret:
+        return np.random.default_rng()
+    return np.random.default_rng([seed, rnd] + ([stream] if stream else []))
+
+
+def sample_nodes(node_ids: Iterable[int], fed: FederationConfig,
+                 rng: np.random.Generator) -> list[int]:
+    """Nodes taking part in a round, drawn from ``node_ids`` with ``rng``."""
+    available = sorted(node_ids)
+    if fed.sampling == "poisson":
+        return [n for n, pick in zip(available, rng.random(len(available)) < fed.sample_fraction,
+                                     strict=True) if pick]
+    k = fed.clients_per_round(len(available))
+    # Sample positions, not ids: Flower's node ids are uint64 and numpy would round them.
+    return sorted(available[int(i)] for i in rng.choice(len(available), size=k, replace=False))
+
+
+def draw_cohort(eligible: list[int], *, fed: FederationConfig, concurrency: int, seed: int,
+                rnd: int, dp: DPController | None, shuffle: bool = False) -> list[int]:
+    """Round ``rnd``'s cohort among ``eligible``, capped at ``concurrency`` (0: no cap), and
+    charged to the accountant as drawn; ``shuffle``: in a random order (a ring's)."""
+    secret = dp is not None and dp.secret_cohorts
+    sampled = sample_nodes(eligible, fed, cohort_rng(seed, rnd, secret=secret))
+    rng = cohort_rng(seed, rnd, secret=secret, stream=2 if shuffle else 1)
+    if concurrency and len(sampled) > concurrency:
+        sampled = sorted(sampled[int(i)] for i in rng.choice(len(sampled), concurrency,
+                                                               replace=False))
+    if dp is not None:  # a uniform fixed-size draw of len(sampled) from the eligible
+        dp.note_cohort(len(eligible), len(sampled))
+    if shuffle:
+        return [sampled[int(i)] for i in rng.permutation(len(sampled))]
+    return sampled

@@ -1,0 +1,208 @@
+"""The one run loop: rounds from a source, each finished in one place.
+
+Every kind of round (plain replies, a SecAgg+ sum, a FedBuff buffer, a ring sum across
+silos) is a ``server.rounds.RoundSource`` that returns a ``RoundResult``;
+:meth:`RunLoop.finish_round` then applies it through the pipeline's post stages and server
+optimizer, bumps the model version, evaluates, charges the privacy accountant, records
+the round and every update's fate, checkpoints and reports — the same steps for all.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from server.rounds import RoundResult, RoundSource, RunContext
+
+if TYPE_CHECKING:
+    from server.audit import CanaryAudit
+
+
+class RunLoop:
+    """Drives a run: rounds from ``source`` until the configured rounds, the privacy
+    budget, the target accuracy or the source itself stops it."""
+
+    def __init__(self, ctx: RunContext, source: RoundSource,
+                 audit: CanaryAudit | None = None) -> None:
+        self.ctx = ctx
+        self.source = source
+        self.audit = audit
+        self.stop_reason: str | None = None
+
+    # ---- the run
+
+    def run(self, run_id: str | None = None) -> dict[str, Any]:
+        """Train for the configured rounds; returns the run summary."""
+        ctx, state = self.ctx, self.ctx.state
+        started = time.perf_counter()
+        with self.source.session():
+            if run_id is None:
+                run_id = ctx.store.create_run(config=ctx.config, seed=ctx.seed,
+                                              name=ctx.config.get("name"))
+                self._record_initial(run_id)
+            ctx.reporter.run_started(run_id, ctx.config)
+            try:
+                while state.round < ctx.fed.rounds and not self._should_stop():
+                    rnd = state.round + 1
+                    t0 = time.perf_counter()
+                    self.finish_round(run_id, rnd, self.source.next_round(run_id, rnd), t0)
+                ctx.store.flush()  # the last checkpoint is written off the round's path
+            except BaseException:
+                ctx.store.finish_run(run_id, status="failed")
+                raise
+            summary = self._summary(run_id, time.perf_counter() - started)
+            self.source.finish(run_id, summary)
+        ctx.store.finish_run(run_id, status=summary["status"], summary=summary)
+        ctx.reporter.run_finished(summary)
+        return summary
+
+    def resume(self, run_id: str) -> dict[str, Any]:
+        """Continue ``run_id`` from its last checkpoint: model, version, pipeline and privacy
+        state. Rounds recorded after that checkpoint are discarded and run again, so no round
+        is lost or applied twice; sampling and client seeds derive from (seed, round), so the
+        result equals an uninterrupted run's (up to DP noise, which is never replayable, and
+        cohorts under DP without ``dp.reproducible_cohorts``, which are drawn in secret)."""
+        ctx, state = self.ctx, self.ctx.state
+        ckpt = ctx.store.load_checkpoint(run_id)
+        if ckpt is None:
+            raise ValueError(f"run {run_id} has no checkpoint to resume from (it needs "
+                             "federation.checkpoint_every >= 1)")
+        if ckpt.params.shape != state.params.shape:
+            raise ValueError(f"run {run_id}'s checkpoint has {ckpt.params.size} parameters, "
+                             f"the model has {state.params.size}")
+        state.params = np.array(ckpt.params, dtype=np.float32)
+        state.version = ckpt.model_version
+        state.round = ckpt.round
+        ctx.pipeline.load_state_dict(ckpt.state.get("pipeline", {}))
+        if ctx.dp is not None:
+            ctx.dp.load_state_dict(ckpt.state["dp"])
+        state.history = [r.metrics for r in ctx.store.rounds(run_id) if r.round <= ckpt.round]
+        ctx.store.reopen_run(run_id, after_round=ckpt.round)
+        ctx.reporter.message(f"resuming run {run_id} after round {ckpt.round} "
+                             f"(model version {ckpt.model_version})")
+        return self.run(run_id)
+
+    # ---- one place that finishes every round
+
+    def finish_round(self, run_id: str, rnd: int, result: RoundResult,
+                     t0: float) -> dict[str, float]:
+        """Apply, version, evaluate, account, record, checkpoint and report round ``rnd``."""
+        ctx, state = self.ctx, self.ctx.state
+        applied = result.aggregate is not None
+        if self.audit is not None:  # sizes the canaries of a run without DP
+            self.audit.observe_norms(r.norm for r in result.records
+                                     if r.fate == "accepted" and r.norm is not None)
+        state.params = ctx.pipeline.apply(state.params, result.aggregate,
+                                          total_weight=result.total_weight, count=result.count)
+        if applied:
+            state.version += 1
+        state.round = rnd
+        metrics = {k: float(v) for k, v in ctx.task.evaluate(state.params).items()}
+        if ctx.clock.simulated:
+            metrics["sim_time_s"] = ctx.clock.now()
+        metrics.update(result.metrics)
+        if "bytes_up" not in result.metrics:
+            metrics.update(ctx.grid.since_last())  # bytes_up, bytes_down
+        self._account_privacy(run_id, rnd, released=applied, metrics=metrics,
+                              noise_multiplier=result.noise_multiplier)
+        counts = result.counts()
+        if not applied:
+            ctx.reporter.message(f"round {rnd}: {result.note or 'no update was applied'}; "
+                                 "the model is unchanged")
+        ctx.store.record_round(run_id, round=rnd, model_version=state.version,
+                               status=result.status, num_sampled=result.num_sampled,
+                               num_replies=result.num_replies,
+                               num_accepted=counts["accepted"] if applied else 0,
+                               num_rejected=counts["rejected"], num_dropped=counts["dropped"],
+                               metrics=metrics, wall_s=time.perf_counter() - t0,
+                               updates=result.records)
+        if result.secure is not None:
+            ctx.store.record_secagg_round(run_id, round=rnd, **result.secure.session_record())
+        state.history.append(metrics)
+        if ctx.fed.checkpoint_every and (rnd % ctx.fed.checkpoint_every == 0
+                                         or rnd == ctx.fed.rounds):
+            # Written on the store's writer thread while the next round runs.
+            ctx.store.save_checkpoint_in_background(
+                run_id, round=rnd, model_version=state.version, params=state.params,
+                state={"pipeline": ctx.pipeline.state_dict(),
+                       "dp": ctx.dp.state_dict() if ctx.dp else {}})
+        ctx.reporter.round_finished(rnd, {**metrics, **{k: float(v) for k, v in counts.items()}})
+        return metrics
+
+    # ---- helpers
+
+    def _record_initial(self, run_id: str) -> None:
+        """Round 0: the initial model's evaluation."""
+        ctx = self.ctx
+        metrics = {k: float(v) for k, v in ctx.task.evaluate(ctx.state.params).items()}
+        ctx.store.record_round(run_id, round=0, model_version=ctx.state.version,
+                               metrics=metrics, wall_s=0.0)
+        ctx.state.history.append(metrics)
+
+    def _account_privacy(self, run_id: str, rnd: int, *, released: bool,
+                         metrics: dict[str, float], noise_multiplier: float | None) -> None:
+        """Charge a round to the accountant and the stored ledger (no-op without DP)."""
+        dp = self.ctx.dp
+        if dp is None:
+            return
+        spent = dp.end_round(released=released, noise_multiplier=noise_multiplier)
+        self.ctx.store.record_privacy(run_id, round=rnd, mode=dp.config.mode,
+                                      accountant=dp.config.accountant,
+                                      epsilon=spent.epsilon, delta=spent.delta,
+                                      noise_multiplier=spent.noise_multiplier, clip=spent.clip,
+                                      sampling_rate=spent.sampling_rate,
+                                      epsilon_model=spent.epsilon_model,
+                                      protects_against=spent.protects_against)
+        metrics.update(epsilon=spent.epsilon, clip=spent.clip)
+        if spent.epsilon_model is not None:
+            metrics["epsilon_model"] = spent.epsilon_model
+
+    def _should_stop(self) -> bool:
+        """Stop before the next round: the privacy budget, the target or the source."""
+        why = self._over_budget() or self.source.stop_reason()
+        if why is not None:
+            self.stop_reason = f"stopped before round {self.ctx.state.round + 1}: {why}"
+            self.ctx.reporter.message(self.stop_reason)
+            return True
+        return self._target_reached()
+
+    def _over_budget(self) -> str | None:
+        dp = self.ctx.dp
+        after = dp.next_round_exceeds_budget() if dp is not None else None
+        if after is None:
+            return None
+        return (f"epsilon would reach {after:.4g} > dp.epsilon_budget "
+                f"{dp.config.epsilon_budget:g} (spent {dp.epsilon():.4g})")
+
+    def _target_reached(self) -> bool:
+        target = self.ctx.driver.target_accuracy
+        last = self.ctx.state.history[-1] if self.ctx.state.history else {}
+        return target > 0 and last.get("accuracy", -1.0) >= target
+
+    def _summary(self, run_id: str, wall_s: float) -> dict[str, Any]:
+        ctx, state = self.ctx, self.ctx.state
+        last = state.history[-1] if state.history else {}
+        status = ("stopped" if self.stop_reason else
+                  "completed" if state.version > 0 else "failed")
+        summary: dict[str, Any] = {
+            "run_id": run_id, "status": status, "rounds": state.round,
+            "versions": state.version, "final_accuracy": last.get("accuracy"),
+            "final_loss": last.get("loss"), "wall_s": round(wall_s, 3),
+            "store": ctx.store.display_url()}
+        if ctx.dp is not None:
+            summary.update(ctx.dp.summary())
+        if self.audit is not None:  # the one-shot estimate from theta_T - theta_0
+            initial, _ = ctx.task.initial_params()
+            summary.update(self.audit.summary(state.params - initial))
+        if self.stop_reason:
+            summary["stop_reason"] = self.stop_reason
+        if ctx.grid.down:  # this process's traffic
+            summary.update(ctx.grid.totals())
+        summary["driver"] = ctx.driver.kind
+        if ctx.clock.simulated:
+            summary["simulated_time"] = round(ctx.clock.now(), 6)
+        summary["reached_target"] = (self._target_reached()
+                                     if ctx.driver.target_accuracy > 0 else None)
+        return summary
