@@ -14,11 +14,15 @@ Each round (``[driver] kind = "cross_silo"``) the server
    records the round with every silo's fate.
 
 A silo whose ring fails (a peer timed out or died) reports it, naming the ring ranks it
-blames; the server then stops waiting once every silent silo is named, and at the latest
-``[silo] ring_timeout_s`` + 5 s later. The round then fails and the model stays unchanged.
-Silos that caused it (no reply: hung or dead; an error of their own; a digest that
-disagrees) are excluded from later rounds, with the reason stored, so the next round runs
-without them. The round's metrics hold the ring's figures.
+blames. After a failure the server stops waiting once every silent silo is named, and
+otherwise gives a silent silo as long as it takes to give up on its own and report
+(``SiloConfig.failure_grace_s``, counted from when it joined the round's rendezvous, or
+from the failure if it has not joined). The round then fails and the model stays
+unchanged. Silos that caused it (an error of their own; silent and never at the
+rendezvous, or named by a peer; a digest that disagrees) are excluded from later rounds,
+with the reason stored, so the next round runs without them. A silo that joined the
+rendezvous and that no peer names is not excluded, even when silent. The round's metrics
+hold the ring's figures.
 
 With ``[secagg] enabled`` the silos are SecAgg+ clients and the ring sums their masked
 vectors instead (``server.cross_silo_secure``): the server sees only the masked sum.
@@ -69,6 +73,7 @@ class SiloReply:
     reason: str = ""
     rejected: str = ""  # why the silo kept its own update out (weight 0)
     failed: tuple[int, ...] = ()  # secure rounds: peers whose shares did not authenticate
+    peers: tuple[int, ...] = ()  # ring ranks its failure report points at
     digest: str = ""
     total_weight: float = 0.0
     count: int = 0
@@ -111,6 +116,9 @@ def decode_reply(node: int, rank: int, reply: Message | None,
         out.status, out.reason = ERROR, f"'{FAILED_KEY}' is not a list of node ids"
         return out
     out.failed = tuple(failed)
+    peers = result.get("peers", [])
+    if isinstance(peers, list):
+        out.peers = tuple(int(p) for p in peers if isinstance(p, int) and not isinstance(p, bool))
     if out.status == STATUS_OK and rank == 0:
         record = reply.content.get(AGGREGATE_RECORD)
         try:
@@ -189,15 +197,20 @@ class RoundDone:
 
 
 def judge(order: list[int], replies: dict[int, Message], dim: int,
-          words: np.dtype | None = None) -> CrossSiloOutcome:
+          words: np.dtype | None = None, joined: Set[int] = frozenset()) -> CrossSiloOutcome:
     """The verdict on a round's replies: the aggregate, or the failure and whom to exclude.
     With ``words`` the aggregate is a masked sum of ``dim`` such words (its weight is
-    under the masks, so no weight is checked)."""
+    under the masks, so no weight is checked). ``joined``: the nodes that arrived at the
+    round's rendezvous; a silent one of them is blamed only if a peer's report names it."""
     silos = [decode_reply(node, rank, replies.get(node), words)
              for rank, node in enumerate(order)]
     outcome = CrossSiloOutcome(order=list(order), silos=silos)
+    named = {rank for s in silos for rank in s.peers}
     for s in silos:
-        if s.status in (MISSING, ERROR):
+        if s.status == MISSING and s.node in joined and s.rank not in named:
+            s.reason = ("no reply before the server stopped waiting; it joined the ring's "
+                        "rendezvous and no peer blames it, so it is not excluded")
+        elif s.status in (MISSING, ERROR):
             outcome.blamed[s.node] = f"{s.reason} (ring rank {s.rank})"
     failed = [s for s in silos if s.status != STATUS_OK]
     if failed:
@@ -326,34 +339,55 @@ class CrossSiloDriver(SyncDriver):
                         node, f"train.{CROSS_SILO_ACTION}", group_id=str(rnd))
                 for node, ring in zip(order, rings, strict=True)]
 
+    def joined(self, messages: list[Message]) -> set[int]:
+        """The nodes of ``messages`` (one round's ring) that arrived at its rendezvous."""
+        import torch.distributed as dist
+
+        assert self.rendezvous is not None
+        out = set()
+        for m in messages:
+            ring = m.content[RING_RECORD]
+            store = dist.PrefixStore(str(ring["prefix"]), self.rendezvous.store)
+            if store.check([f"joined/{ring['rank']}"]):
+                out.add(m.metadata.dst_node_id)
+        return out
+
     def exchange(self, rnd: int, messages: list[Message]) -> dict[int, Message]:
         """Push, then collect replies until all came or the deadline passed. Once a silo
         reports a failure, stop waiting as soon as every silo still silent has been named by
-        a failure report (it hangs or is gone), and at the latest after a grace period for
-        the others' reports."""
+        a failure report (it hangs or is gone) or has had ``failure_grace_s`` to give up on
+        its own and report, counted from when it joined the rendezvous (from the failure if
+        it has not joined)."""
         node_of = push(self.grid, messages)
         rank_of = {m.metadata.dst_node_id: rank for rank, m in enumerate(messages)}
+        message_of = {m.metadata.message_id: m for m in messages}
         replies: dict[int, Message] = {}
-        grace_end: float | None = None  # set by the first failure: the others' reports due
+        failed_at: float | None = None  # the first failure report's arrival
+        joined_at: dict[str, float] = {}  # message id -> when its silo was seen at the rendezvous
         named: set[int] = set()  # ring ranks that failure reports point at
+        grace = self.silo.failure_grace_s()
 
         def take(msg_id: str, reply: Message) -> None:
-            nonlocal grace_end
+            nonlocal failed_at
             replies[node_of[msg_id]] = reply
             self.reporter.client_done(rnd, len(replies), len(messages))
             result = None if reply.has_error() else reply.content.get(RESULT_RECORD)
             if not isinstance(result, ConfigRecord) or result.get("status") != STATUS_OK:
-                if grace_end is None:
-                    grace_end = time.monotonic() + self.silo.failure_grace_s()
+                if failed_at is None:
+                    failed_at = time.monotonic()
                 peers = result.get("peers", []) if isinstance(result, ConfigRecord) else []
                 named.update(int(p) for p in peers if isinstance(p, int))
 
         def failed_and_done(pending: Set[str]) -> bool:
-            """After a failure: the grace period is over, or every silo still silent is
-            one the failure reports point at (it hangs or is gone)."""
-            return grace_end is not None and (
-                time.monotonic() >= grace_end
-                or all(rank_of[node_of[i]] in named for i in pending))
+            """After a failure: every silo still silent is one the failure reports point at
+            (it hangs or is gone), or has had the grace to report on its own."""
+            if failed_at is None:
+                return False
+            now = time.monotonic()
+            silent = [i for i in pending if rank_of[node_of[i]] not in named]
+            arrived = self.joined([message_of[i] for i in silent if i not in joined_at])
+            joined_at.update({i: now for i in silent if node_of[i] in arrived})
+            return all(now >= joined_at.get(i, failed_at) + grace for i in silent)
 
         collect(self.grid, node_of, timeout=self.driver.deadline(self.fed.round_timeout_s),
                 poll=self.fed.poll_s, on_reply=take, stop=failed_and_done)
@@ -380,8 +414,9 @@ class CrossSiloDriver(SyncDriver):
 
     def _plain_round(self, run_id: str, rnd: int, order: list[int]) -> RoundDone:
         state = self.state
-        replies = self.exchange(rnd, self._messages(run_id, rnd, order))
-        outcome = judge(order, replies, self.layout.dim)
+        messages = self._messages(run_id, rnd, order)
+        replies = self.exchange(rnd, messages)
+        outcome = judge(order, replies, self.layout.dim, joined=self.joined(messages))
         self.last = outcome
         records = outcome.records(state.version)
         if outcome.completed:

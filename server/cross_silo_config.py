@@ -52,8 +52,11 @@ class SiloConfig:
         check_choice("silo.backend", self.backend, RING_BACKENDS)
 
     def failure_grace_s(self) -> float:
-        """How long the server waits for the other silos' replies once one reports a failure."""
-        return self.ring_timeout_s + 5.0
+        """How long the server waits, once a silo reported a failure, for a silo still
+        silent: as long as that silo may wait at the rendezvous (``join_timeout_s``) and
+        on a stalled ring (``ring_timeout_s``) before it gives up and reports, plus 5 s.
+        Counted from when it joined the rendezvous, so the server never gives up first."""
+        return self.join_timeout_s + self.ring_timeout_s + 5.0
 
 
 def check_cross_silo(config: Mapping[str, Any]) -> SiloConfig | None:
