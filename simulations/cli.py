@@ -117,6 +117,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         summary["attackers"] = attackers
     privacy = (f", epsilon {summary['epsilon']:.3f} at delta {summary['delta']:g}"
                if "epsilon" in summary else "")
+    if summary.get("epsilon_audit") is not None:
+        privacy += f", epsilon_audit {summary['epsilon_audit']:.3f}"
     console.print(f"[bold green]{summary['status']}[/]: run {summary['run_id']}, "
                   f"{summary['rounds']} rounds, accuracy {summary['final_accuracy']:.4f}, "
                   f"loss {summary['final_loss']:.4f}{privacy}, {summary['wall_s']:.1f} s, "
@@ -155,7 +157,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from server.store import Store
-    from simulations.report import plot_run, round_table
+    from simulations.report import plot_run, privacy_line, round_table
 
     with Store(args.db) as store:
         info = store.get_run(args.run_id)
@@ -169,6 +171,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
     console = Console()
     console.print(table)
+    if privacy_line(info.summary):
+        console.print(privacy_line(info.summary))
     console.print(f"plot: {path}")
     return 0
 

@@ -39,6 +39,21 @@ def round_table(rounds: list[RoundInfo],
     return rows
 
 
+def privacy_line(summary: dict[str, Any] | None) -> str | None:
+    """The run's privacy figures side by side: the accountant's epsilon and the canary
+    audit's estimate (``[audit]``), each at its delta; None when the run has neither."""
+    summary = summary or {}
+    parts = []
+    if summary.get("epsilon") is not None:
+        parts.append(f"epsilon {summary['epsilon']:.4g} (accountant, {summary.get('dp_mode')} "
+                     f"DP, delta {summary.get('delta'):g})")
+    if summary.get("epsilon_audit") is not None:
+        parts.append(f"epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary "
+                     f"estimate, {summary.get('audit_canaries')} canaries, delta "
+                     f"{summary.get('audit_delta'):g})")
+    return "privacy: " + "; ".join(parts) if parts else None
+
+
 def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     """Write ``<run_id>.png``: accuracy, loss and update fates per round."""
     import matplotlib

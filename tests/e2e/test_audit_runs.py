@@ -9,12 +9,25 @@ either samples everyone (Poisson, q = 1) or compares statistics only.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import dp_accounting
 import numpy as np
 import pytest
 
 import server.dp
 from simulations.config import load_scenario
+
+
+def fedring(*args: str, cwd) -> subprocess.CompletedProcess[str]:
+    """The ``fedring`` command in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "simulations.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
+
 
 BASE = ["train.local_epochs=1", "federation.rounds=10", 'federation.sampling="poisson"']
 CENTRAL = [*BASE, 'dp.mode="central"', 'aggregation.weight_by="uniform"', "dp.clip=1.0",
@@ -88,3 +101,21 @@ def test_canaries_never_enter_a_run_without_audit(run_inprocess, store):
     assert [r.num_accepted for r in store.rounds(on["run_id"])[1:]] == [5, 5, 5]
     assert "epsilon_audit" in on and on["audit_participations"] == 20 * 3
 
+
+
+@pytest.mark.slow
+def test_cli_json_line_and_report_show_the_audit_beside_the_accountant(tmp_path):
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    proc = fedring("simulate", "--clients", "5", "--rounds", "3", "--db", db, "--json",
+                   *(f"--set={o}" for o in [*SMALL, 'dp.mode="central"', "dp.clip=1.0",
+                                           'aggregation.weight_by="uniform"',
+                                           "audit.canaries=20"]), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["epsilon_audit"] >= 0 and summary["audit_canaries"] == 20
+    report = fedring("report", summary["run_id"], "--db", db, "--out", str(tmp_path),
+                     cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    line = next(x for x in report.stdout.splitlines() if x.startswith("privacy:"))
+    assert f"epsilon {summary['epsilon']:.4g} (accountant" in line
+    assert f"epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary" in line
