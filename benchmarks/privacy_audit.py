@@ -1,6 +1,7 @@
 """The one-shot canary audit's epsilon beside the accountant's, and what the audit costs.
 
-Trains the default scenario (digits, 20 clients, 10 rounds, MLP d = 4,810) with
+Trains the default scenario (digits, 20 clients, 10 rounds, MLP d = 4,810; one local
+epoch instead of five, to keep the 24 runs short on a shared machine) with
 ``[audit] canaries = K`` on the in-process engine (real ServerApp, ClientApp, pipeline
 and store) for: no DP, central DP and distributed DP (secure aggregation on) at z = 1,
 clip 1, delta 1e-5, each with every client in every round (the default) and with Poisson
@@ -8,9 +9,10 @@ sampling at q = 0.5; and central DP with its noise stage silently halved (a plan
 the audit should expose). Each row is repeated over seeds: DP noise and canaries come
 from OS entropy, so the spread shows the estimate's statistical error.
 
-Cost: the same central-DP run without and with canaries, alternated (median round wall
-time), and, without training, the canary stage's time per round and the final estimate's time at
-d = 1M parameters.
+Cost: the same central-DP run without and with canaries, alternated: wall and CPU time
+(the process's, which a loaded machine disturbs far less than wall time) and the CPU time
+spent inside the canary stage itself; and, without training, the canary stage's time
+per round and the final estimate's time at d = 1M parameters.
 
     python benchmarks/privacy_audit.py            # full: 3 seeds per row
     python benchmarks/privacy_audit.py --quick    # one tiny run per mode (seconds)
@@ -39,8 +41,8 @@ from server.audit import AuditConfig, CanaryAudit
 from server.store import Store
 from simulations.config import load_scenario
 
-FULL = {"seeds": [0, 1, 2], "canaries": 100, "overrides": [], "cost_dim": 1_000_000,
-        "cost_repeats": 3}
+FULL = {"seeds": [0, 1, 2], "canaries": 100, "overrides": ["train.local_epochs=1"],
+        "cost_dim": 1_000_000, "cost_repeats": 3}
 QUICK = {"seeds": [0], "canaries": 10, "cost_dim": 10_000, "cost_repeats": 1,
          "overrides": ["federation.clients=5", "federation.rounds=2", "train.local_epochs=1"]}
 DP = ["aggregation.weight_by=uniform", "dp.clip=1.0", "dp.noise_multiplier=1.0",
@@ -69,22 +71,44 @@ def halved_noise() -> Any:
     return honest
 
 
+AUDIT_CPU = [0.0]  # CPU seconds spent in the canary stage's methods (this process)
+
+
+def _count_cpu(method: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            AUDIT_CPU[0] += time.thread_time() - started
+
+    return timed
+
+
+for _name in ("apply", "observe_norms", "summary"):  # the audit's whole work in a run
+    setattr(CanaryAudit, _name, _count_cpu(getattr(CanaryAudit, _name)))
+
+
 def run_one(mode: str, seed: int, canaries: int, grid: dict[str, Any],
             db: str) -> dict[str, Any]:
     config = load_scenario("default", [*grid["overrides"], *MODES[mode],
                                        f"audit.canaries={canaries}"], values={"seed": seed})
     honest = halved_noise() if "halved" in mode else None
+    AUDIT_CPU[0] = 0.0
+    cpu = time.process_time()
     try:
         summary, wall = timed_simulation(config, db)
     finally:
         if honest is not None:
             server.dp.central_dp_mean = honest
+    cpu = time.process_time() - cpu
     with Store(db) as store:
         rounds = [r for r in store.rounds(summary["run_id"]) if r.round >= 1]
     return {"mode": mode, "seed": seed, "canaries": canaries,
             "epsilon": summary.get("epsilon"), "epsilon_audit": summary.get("epsilon_audit"),
             "audit_mu": summary.get("audit_mu"), "accuracy": summary["final_accuracy"],
-            "wall_s": round(wall, 2), "round_s": round(median(r.wall_s for r in rounds), 4)}
+            "wall_s": round(wall, 2), "round_s": round(median(r.wall_s for r in rounds), 4),
+            "cpu_s": round(cpu, 3), "audit_cpu_s": round(AUDIT_CPU[0], 4)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -141,13 +165,13 @@ def main() -> int:
         pairs = [(run_one("central", 0, 0, grid, db), run_one("central", 0, grid["canaries"],
                                                               grid, db))
                  for _ in range(grid["cost_repeats"])]
-    training = {
-        "runs": len(pairs),
-        "round_s_without": round(median(a["round_s"] for a, _ in pairs), 4),
-        "round_s_with": round(median(b["round_s"] for _, b in pairs), 4),
-        "wall_s_without": round(median(a["wall_s"] for a, _ in pairs), 2),
-        "wall_s_with": round(median(b["wall_s"] for _, b in pairs), 2)}
-    training["round_ratio"] = round(training["round_s_with"] / training["round_s_without"], 3)
+    training = {"runs": len(pairs)}
+    for key in ("wall_s", "round_s", "cpu_s"):
+        training[f"{key}_without"] = round(median(a[key] for a, _ in pairs), 4)
+        training[f"{key}_with"] = round(median(b[key] for _, b in pairs), 4)
+    training["cpu_ratio"] = round(training["cpu_s_with"] / training["cpu_s_without"], 3)
+    training["audit_cpu_s"] = round(median(b["audit_cpu_s"] for _, b in pairs), 4)
+    training["audit_cpu_share"] = round(training["audit_cpu_s"] / training["cpu_s_with"], 5)
     cost = {"training_runs": training,
             "stage": stage_cost(grid["cost_dim"], grid["canaries"], grid["cost_repeats"])}
     log(json.dumps(cost))

@@ -62,12 +62,13 @@ def random_canaries(count: int, dim: int, entropy: int) -> np.ndarray:
 
 
 def cosines(change: np.ndarray, canaries: np.ndarray) -> np.ndarray:
-    """Cosine between ``change`` and each (unit) canary row; zeros if ``change`` is 0."""
-    change = np.asarray(change, dtype=np.float64)
-    norm = float(np.linalg.norm(change))
+    """Cosine between ``change`` and each (unit) canary row; zeros if ``change`` is 0.
+    One float32 matrix-vector product (no copy of the canaries)."""
+    change = np.asarray(change, dtype=np.float32)
+    norm = float(np.linalg.norm(change.astype(np.float64)))
     if norm == 0.0:
         return np.zeros(len(canaries))
-    return (canaries.astype(np.float64) @ change) / norm
+    return (canaries @ change).astype(np.float64) / norm
 
 
 def gaussian_mechanism_delta(mu: float, eps: float) -> float:
@@ -134,9 +135,13 @@ def estimate_epsilon(seen: np.ndarray, unseen: np.ndarray, delta: float) -> Audi
 
 
 def audit_epsilon(change: np.ndarray, inserted: np.ndarray, delta: float, *,
-                  entropy: int | None = None) -> AuditEstimate:
+                  entropy: int | None = None, block: int = 64) -> AuditEstimate:
     """Estimate from the final model change and the inserted canaries; the fresh canaries
-    (as many as inserted) are drawn here from ``entropy`` (default: OS entropy)."""
-    fresh = random_canaries(len(inserted), inserted.shape[1],
-                            canary_entropy() if entropy is None else entropy)
-    return estimate_epsilon(cosines(change, inserted), cosines(change, fresh), delta)
+    (as many as inserted) are drawn here from ``entropy`` (default: OS entropy), ``block``
+    rows at a time so that they never take more memory than that."""
+    count, dim = inserted.shape
+    entropy = canary_entropy() if entropy is None else entropy
+    unseen = np.concatenate([
+        cosines(change, random_canaries(min(block, count - start), dim, entropy + start))
+        for start in range(0, count, block)])
+    return estimate_epsilon(cosines(change, inserted), unseen, delta)

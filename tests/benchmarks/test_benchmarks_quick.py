@@ -226,5 +226,6 @@ def test_privacy_audit_quick() -> None:
         assert positive(rows[mode]["epsilon"]) and rows[mode]["audit_mean"] >= 0
     assert all(r["canaries"] == result["canaries"] for r in result["results"])
     training, stage = result["cost"]["training_runs"], result["cost"]["stage"]
-    assert positive(training["round_s_without"]) and positive(training["round_s_with"])
+    assert positive(training["cpu_s_without"]) and positive(training["cpu_s_with"])
+    assert 0 < training["audit_cpu_share"] < 1
     assert stage["canaries"] == result["canaries"] and positive(stage["estimate_s"])
