@@ -128,7 +128,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def stage_cost(dim: int, canaries: int, repeats: int) -> dict[str, Any]:
     """Without training: one round of the canary stage (all K taking part) and the final
     estimate, at ``dim`` parameters; best of ``repeats``."""
-    audit = CanaryAudit(AuditConfig(canaries=canaries), rate=1.0, combine="sum")
+    audit = CanaryAudit(AuditConfig(canaries=canaries, canary_norm=1.0), rate=1.0,
+                        combine="sum")
     aggregate = np.zeros(dim, np.float32)
     t0 = time.perf_counter()
     audit.apply(aggregate, 1.0, 1)  # draws the K canaries
@@ -143,7 +144,7 @@ def stage_cost(dim: int, canaries: int, repeats: int) -> dict[str, Any]:
         audit_epsilon(change, audit.canaries, 1e-5)
         estimate.append(time.perf_counter() - t0)
     return {"dim": dim, "canaries": canaries, "memory_mb": round(canaries * dim * 4 / 2**20, 1),
-            "draw_s": round(draw, 4), "round_s": round(min(per_round), 4),
+            "draw_s": round(draw, 4), "round_s": round(min(per_round), 6),
             "estimate_s": round(min(estimate), 4)}
 
 

@@ -229,3 +229,4 @@ def test_privacy_audit_quick() -> None:
     assert positive(training["cpu_s_without"]) and positive(training["cpu_s_with"])
     assert 0 < training["audit_cpu_share"] < 1
     assert stage["canaries"] == result["canaries"] and positive(stage["estimate_s"])
+    assert positive(stage["round_s"]) and positive(stage["draw_s"])

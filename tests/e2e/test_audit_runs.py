@@ -80,7 +80,9 @@ def test_distributed_dp_estimate_stays_below_the_accountant(run_inprocess):
                                     "dp.noise_multiplier=1.0", "federation.sample_fraction=0.5",
                                     "audit.canaries=100"])
     summary = run_inprocess(cfg)
-    assert 0 < summary["epsilon_audit"] <= summary["epsilon"]
+    # the audit looks at the released model: compare with the accountant's figure for it
+    # (epsilon_model where the accountant reports one apart from the server's epsilon)
+    assert 0 < summary["epsilon_audit"] <= summary.get("epsilon_model", summary["epsilon"])
 
 
 def _final_params(store, summary) -> np.ndarray:
