@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 import server.dp
+from server.app import run_server
+from simulations.apps import build_task, client_app
 from simulations.config import load_scenario
+from simulations.inprocess import InProcessGrid
 
 
 def fedring(*args: str, cwd) -> subprocess.CompletedProcess[str]:
@@ -121,3 +124,21 @@ def test_cli_json_line_and_report_show_the_audit_beside_the_accountant(tmp_path)
     line = next(x for x in report.stdout.splitlines() if x.startswith("privacy:"))
     assert f"epsilon {summary['epsilon']:.4g} (accountant" in line
     assert f"epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary" in line
+
+
+def test_a_resumed_run_keeps_its_canaries(run_inprocess, store, db_url):
+    cfg = load_scenario("default", [*SMALL, "audit.canaries=20"])
+    first = run_inprocess(cfg)
+
+    def saved_audit() -> dict:
+        state = store.load_checkpoint(first["run_id"]).state["pipeline"]
+        return next(v for v in state.values() if "entropy" in v)
+
+    before = saved_audit()
+    assert before["rounds"] == 3 and sum(before["participations"]) == 20 * 3
+    longer = {**cfg, "federation": {**cfg["federation"], "rounds": 5}}
+    summary = run_server(InProcessGrid(client_app, 5), longer, task=build_task(longer),
+                         store_url=db_url, resume=first["run_id"])
+    after = saved_audit()
+    assert after["entropy"] == before["entropy"] and after["rounds"] == 5
+    assert summary["audit_participations"] == 20 * 5
