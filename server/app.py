@@ -14,6 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from privacy.dp import DPConfig
 from server.async_driver import async_driver_class
+from server.audit import make_audit
 from server.clock import Clock
 from server.config import AggregationConfig, FederationConfig
 from server.dp import dp_controller
@@ -43,7 +44,8 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     dp_config = DPConfig.from_dict(config.get("dp", {}))
     dp = (dp_controller(dp_config, FederationConfig(**config["federation"]))
           if dp_config.enabled else None)
-    pipeline = AggregationConfig(**config["aggregation"]).build(dp)
+    audit = make_audit(config, dp)  # None without [audit]: no canary enters the run
+    pipeline = AggregationConfig(**config["aggregation"]).build(dp, canaries=audit)
     secure = make_secure_rounds(config)  # None unless [secagg] is enabled; refuses misfits
     store = Store(store_url)
     try:
@@ -57,6 +59,7 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
         driver = driver_cls(grid, config=config, task=task, pipeline=pipeline, store=store,
                             reporter=reporter or LogReporter(), dp=dp, clock=clock)
         driver.secure = secure
+        driver.audit = audit
         return driver.resume(resume) if resume else driver.run()
     finally:
         store.close()

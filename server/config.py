@@ -9,6 +9,7 @@ from typing import Any
 
 from aggregation import (
     Pipeline,
+    PostStage,
     Validate,
     Weight,
     make_combine,
@@ -191,8 +192,10 @@ class AggregationConfig:
         if isinstance(combine, RobustCombine):
             combine.check(clients_per_round)
 
-    def build(self, dp: DPController | None = None) -> Pipeline:
-        """A fresh pipeline for this configuration, with central DP's stages if given."""
+    def build(self, dp: DPController | None = None,
+              canaries: PostStage | None = None) -> Pipeline:
+        """A fresh pipeline for this configuration, with central DP's stages if given, and
+        the audit's canaries (``server.audit``) right after the combine, before any noise."""
         dp_update, dp_post = dp.stages() if dp is not None else ([], [])
         staleness = StalenessConfig.of(self)
         return Pipeline(
@@ -200,6 +203,7 @@ class AggregationConfig:
             *dp_update,
             Weight(by=self.weight_by, staleness=staleness.function()),
             make_combine("sum") if dp_post else self._combine(),
+            *([canaries] if canaries is not None else []),
             *dp_post,
             make_server_optimizer(self.server_opt, **self._optimizer_params()),
         )

@@ -132,6 +132,7 @@ class SyncDriver:
     """Runs rounds of synchronous federated training over a Grid."""
 
     secure: Any = None  # a server.secure_round.SecureRounds when [secagg] is enabled
+    audit: Any = None  # a server.audit.CanaryAudit (a pipeline stage) with [audit] canaries
 
     def __init__(self, grid: Grid, *, config: dict[str, Any], task: ServerTask,
                  pipeline: Pipeline, store: Store, reporter: Reporter,
@@ -186,6 +187,9 @@ class SyncDriver:
                    "store": self.store.display_url()}
         if self.dp is not None:
             summary.update(self.dp.summary())
+        if self.audit is not None:  # the one-shot estimate from theta_T - theta_0
+            initial, _ = self.task.initial_params()
+            summary.update(self.audit.summary(self.state.params - initial))
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
         if self.grid.down:  # this process's traffic (a driver that used the counting grid)
@@ -315,6 +319,8 @@ class SyncDriver:
         except ValueError as exc:  # e.g. a robust combine left with too few updates
             self.reporter.message(f"round {rnd}: aggregation failed: {exc}")
             delta = None
+        if self.audit is not None:  # sizes the canaries of a run without DP
+            self.audit.observe_norms(v.norm for v in agg.verdicts if v.accepted)
         state.params = self.pipeline.apply(state.params, delta, total_weight=agg.total_weight,
                                            count=agg.num_accepted)
         if delta is not None:
