@@ -12,6 +12,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from server.audit import make_audit
 from server.clock import Clock
 from server.compression import ReplyCompression
 from server.dp import dp_controller
@@ -45,14 +46,16 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     """
     scenario = ServerScenario.of(config)  # the typed sections, parsed once
     dp = dp_controller(scenario.dp, scenario.federation) if scenario.dp.enabled else None
+    audit = make_audit(scenario, dp)  # None without [audit]: no canary enters the run
     pipeline = scenario.aggregation.build(dp.stages() if dp is not None else ([], []),
-                                          staleness=scenario.driver.staleness_config())
+                                          staleness=scenario.driver.staleness_config(),
+                                          canaries=audit)
     secure = make_secure_settings(scenario)  # None unless [secagg] is enabled
     store = Store(store_url)
     try:
         ctx = RunContext(grid, scenario=scenario, task=task, pipeline=pipeline, store=store,
                          reporter=reporter or LogReporter(), dp=dp, clock=clock)
-        loop = RunLoop(ctx, round_source(ctx, secure=secure))
+        loop = RunLoop(ctx, round_source(ctx, secure=secure), audit=audit)
         return loop.resume(resume) if resume else loop.run()
     finally:
         store.close()

@@ -197,10 +197,12 @@ class AggregationConfig:
             combine.check(clients_per_round)
 
     def build(self, dp_stages: tuple[list[UpdateStage], list[PostStage]] = ([], []),
-              staleness: StalenessConfig | None = None) -> Pipeline:
+              staleness: StalenessConfig | None = None,
+              canaries: PostStage | None = None) -> Pipeline:
         """A fresh pipeline for this configuration, with central DP's stages if given
-        (``server.dp.DPController.stages``), and the staleness weighting and bound of
-        ``[driver]``."""
+        (``server.dp.DPController.stages``), the staleness weighting and bound of
+        ``[driver]``, and the audit's canaries (``server.audit``) right after the combine,
+        before any noise."""
         dp_update, dp_post = dp_stages
         staleness = staleness or StalenessConfig()
         return Pipeline(
@@ -208,6 +210,7 @@ class AggregationConfig:
             *dp_update,
             Weight(by=self.weight_by, staleness=staleness.function()),
             make_combine("sum") if dp_post else self._combine(),
+            *([canaries] if canaries is not None else []),
             *dp_post,
             make_server_optimizer(self.server_opt, **self._optimizer_params()),
         )

@@ -67,7 +67,8 @@ class RingStage:
                             node, f"query.{CROSS_SILO_ACTION}", group_id=str(self.rnd))
                     for node, ring in zip(members, rings, strict=True)]
         replies = self.rounds.collect_ring(self.rnd, messages)
-        outcome = judge(members, replies, session.config.dim, words=session.config.word_dtype)
+        outcome = judge(members, replies, session.config.dim, words=session.config.word_dtype,
+                        joined=self.rounds.joined(messages))
         self.outcome = outcome
         if not outcome.completed:
             self.failure = f"cross-silo ring failed: {outcome.failure}"

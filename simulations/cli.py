@@ -123,6 +123,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             privacy += (f", epsilon_model {summary['epsilon_model']:.3f} against the "
                         "released model")
         privacy += f" at delta {summary['delta']:g}"
+    if summary.get("epsilon_audit") is not None:
+        privacy += f", epsilon_audit {summary['epsilon_audit']:.3f}"
     console.print(f"[bold green]{summary['status']}[/]: run {summary['run_id']}, "
                   f"{summary['rounds']} rounds, accuracy {summary['final_accuracy']:.4f}, "
                   f"loss {summary['final_loss']:.4f}{privacy}, {summary['wall_s']:.1f} s, "
@@ -161,7 +163,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from server.store import Store
-    from simulations.report import plot_run, privacy_summary, round_table
+    from simulations.report import audit_line, plot_run, privacy_summary, round_table
 
     with Store(args.db) as store:
         info = store.get_run(args.run_id)
@@ -178,6 +180,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     console.print(table)
     if privacy is not None:
         console.print(privacy)
+    if audit_line(info.summary) is not None:
+        console.print(audit_line(info.summary))
     console.print(f"plot: {path}")
     return 0
 

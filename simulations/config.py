@@ -17,6 +17,7 @@ from aggregation.compression import CompressionConfig
 from client.training import TrainConfig
 from privacy.dp import DPConfig
 from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
+from server.audit import AuditConfig, check_audit
 from server.compression import check_compression
 from server.config import (
     STALENESS_KEYS,
@@ -68,6 +69,7 @@ SECTIONS: dict[str, type] = {
     "silo": SiloConfig,
     "attack": AttackConfig,
     "compression": CompressionConfig,
+    "audit": AuditConfig,
 }
 FREE_SECTIONS = ("model", "dp")  # checked by building the model / by DPConfig
 
@@ -153,6 +155,7 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     check_cross_silo(config)  # before [secagg]: its own message says why the ring refuses it
     check_secagg(config)
     check_attack(config)
+    check_audit(config)
     return config
 
 

@@ -66,6 +66,20 @@ def privacy_summary(ledger: list[dict[str, Any]],
     return f"{line}; delta {last['delta']:g}, {last['accountant']}"
 
 
+def audit_line(summary: dict[str, Any] | None) -> str | None:
+    """The canary audit's estimate (``[audit]``) beside the accountant's epsilon; None
+    when the run had no audit."""
+    summary = summary or {}
+    if summary.get("epsilon_audit") is None:
+        return None
+    line = (f"privacy audit: epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary "
+            f"estimate, {summary.get('audit_canaries')} canaries, delta "
+            f"{summary.get('audit_delta'):g})")
+    if summary.get("epsilon") is not None:
+        line += f"; the accountant's epsilon {summary['epsilon']:.4g}"
+    return line
+
+
 def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     """Write ``<run_id>.png``: accuracy, loss and update fates per round."""
     import matplotlib

@@ -213,3 +213,20 @@ def test_cross_silo_secure_quick() -> None:
         assert positive(row[key]), (key, row[key])
     assert set(row["secure_stage_s"]) == {"advertise_keys", "share_keys", "masked_input",
                                           "unmasking"}
+
+
+@pytest.mark.slow
+def test_privacy_audit_quick() -> None:
+    result = run_quick("privacy_audit.py")
+    assert result["benchmark"] == "privacy_audit" and result["quick"] is True
+    rows = {row["mode"]: row for row in result["summary"]}
+    assert set(rows) == {"none", "central", "distributed"}
+    assert rows["none"]["epsilon"] is None and positive(rows["none"]["audit_mean"])
+    for mode in ("central", "distributed"):
+        assert positive(rows[mode]["epsilon"]) and rows[mode]["audit_mean"] >= 0
+    assert all(r["canaries"] == result["canaries"] for r in result["results"])
+    training, stage = result["cost"]["training_runs"], result["cost"]["stage"]
+    assert positive(training["cpu_s_without"]) and positive(training["cpu_s_with"])
+    assert 0 < training["audit_cpu_share"] < 1
+    assert stage["canaries"] == result["canaries"] and positive(stage["estimate_s"])
+    assert positive(stage["round_s"]) and positive(stage["draw_s"])

@@ -64,3 +64,39 @@ def test_each_bad_reply_rejected_with_reason(small_config, run_inprocess, store)
                 "lack 'num-examples'", "payload has", "client error"]
     for fragment in expected:
         assert any(fragment in r for r in reasons), (fragment, reasons)
+
+
+def test_a_round_with_every_reply_rejected_keeps_the_version_and_the_run_goes_on(
+        small_config, run_inprocess, store):
+    """Round 2: every client sends NaN. Nothing is applied, the version stays, the round is
+    recorded as failed with every rejection, and round 3 trains on as usual."""
+    from simulations.task import ScenarioTask
+
+    dim = ScenarioTask.from_config(small_config).initial_params()[1].dim
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if int(msg.content["config"]["server-round"]) == 2:
+            version = int(msg.content["config"][wire.VERSION_KEY])
+            return _delta_reply(msg, np.full(dim, np.nan, np.float32),
+                                {"num-examples": 5, wire.BASE_VERSION_METRIC: version})
+        return honest_app(msg, context)
+
+    cfg = {**small_config, "federation": {**small_config["federation"], "clients": 3,
+                                          "rounds": 3}}
+    models: list[np.ndarray] = []
+    summary = run_inprocess(cfg, app, models=models)
+    assert (summary["status"], summary["rounds"], summary["versions"]) == ("completed", 3, 2)
+    rounds = store.rounds(summary["run_id"])
+    assert [(r.round, r.model_version, r.status) for r in rounds] == [
+        (0, 0, "completed"), (1, 1, "completed"), (2, 1, "failed"), (3, 2, "completed")]
+    second = rounds[2]
+    assert (second.num_sampled, second.num_replies, second.num_accepted,
+            second.num_rejected) == (3, 3, 0, 3)
+    updates = [u for _, u in store.updates(summary["run_id"], round=2)]
+    assert len(updates) == 3 and all(u.fate == "rejected" and "NaN/Inf" in u.reason
+                                     for u in updates)
+    assert len(models) == 4
+    np.testing.assert_array_equal(models[2], models[1])  # the model is unchanged
+    assert np.abs(models[3] - models[2]).max() > 1e-4  # and training goes on after it

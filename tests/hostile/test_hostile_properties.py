@@ -29,8 +29,8 @@ from privacy.secagg import ProtocolError, SecAggConfig
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
 from server.replies import decode_train_reply
-from server.store import Store
 from server.rounds import update_record
+from server.store import Store
 from simulations.inprocess import InProcessGrid
 
 PROPERTY = settings(max_examples=150, deadline=None,

@@ -324,3 +324,36 @@ def survive_failure(rank: int, n: int, victim: int, mode: str, algorithm: str,
                     "step": exc.step, "peer": exc.peer, "message": str(exc),
                     "seconds": time.monotonic() - start, "calls": calls}
     return "completed"
+
+
+def unpipelined_mean(rank: int, n: int) -> list[str]:
+    """op="mean" on the unpipelined schedules (whole chunks, one step after another; grouped
+    as NCCL runs them) against the mean of every rank's data computed here in float64."""
+    fails: list[str] = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for length in sorted({1, max(1, n - 1), n + 1, 7, VARIANT_LENGTH}):
+            xs = [make_data(r, length, dtype) for r in range(n)]
+            ref = (sum(x.double() for x in xs) / n).to(dtype)
+            abs_mean = sum(x.double().abs() for x in xs) / n
+            runs: dict[str, Callable[[], torch.Tensor]] = {
+                "ring/unpipelined": lambda x=xs[rank]: allreduce(
+                    x, op="mean", algorithm="ring", segment_bytes=None)}
+            for alg, schedule in GROUPED.items():
+                def grouped(x: torch.Tensor = xs[rank], schedule=schedule,
+                            alg: str = alg) -> torch.Tensor:
+                    out = torch.empty_like(x)
+                    ch = Channel(None, timeout=60.0, coalesce=True, algorithm=alg)
+                    schedule(ch, x, out, mean=True, segment=None, window=1)
+                    return out
+                runs[f"{alg}/grouped"] = grouped
+            for name, call in runs.items():
+                key = f"{name}/{dtype}/L={length}"
+                try:
+                    result = call()
+                except Exception as exc:
+                    fails.append(f"{key}: {type(exc).__name__}: {exc}")
+                    continue
+                why = float_error(result, ref, abs_mean, n)
+                if why:
+                    fails.append(f"{key}: {why}")
+    return fails

@@ -6,6 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +18,12 @@ import pytest
 from client.app import training_seed
 from client.flat_model import FlatModel
 from client.training import train
+from simulations import deploy
 from simulations.config import load_scenario
 from simulations.task import ScenarioTask
 
 ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
 DDP_WORKER = Path(__file__).parent / "ddp_worker.py"
 SILOS = 3
 
@@ -82,3 +87,78 @@ def join_then_die(spec: dict[str, Any]) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=ring.rank,
                             world_size=ring.size, timeout=timedelta(seconds=30))
     os._exit(1)
+
+
+def _deploy_env(tmp: Path) -> dict[str, str]:
+    return {**os.environ, "FLWR_HOME": str(tmp / "flwr"), "OMP_NUM_THREADS": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
+            "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _wait(what: str, ready: Any, procs: list[dict[str, Any]], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        dead = [r["name"] for r in procs if not deploy.alive(r["pid"])]
+        assert not dead, f"{dead} exited while waiting for {what}: " + "\n".join(
+            Path(r["log"]).read_text(errors="replace")[-2000:] for r in procs
+            if r["name"] in dead)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@contextmanager
+def deployed_silos(tmp: Path, processes: Sequence[int], federation: str, *,
+                   plain_nodes: int = 0) -> Iterator[dict[str, Any]]:
+    """A SuperLink; for each entry of ``processes`` a SuperNode with --isolation process and
+    a `fedring silo` job of that many processes behind it; then ``plain_nodes`` SuperNodes
+    that serve the plain fedring ClientApp (no silo). Partition ids follow that order."""
+    env, logs = _deploy_env(tmp), tmp / "logs"
+    logs.mkdir()
+    procs: list[dict[str, Any]] = []
+    nodes = len(processes) + plain_nodes
+    try:
+        port = deploy.free_port()
+        procs.append(deploy._launch("superlink", deploy.superlink_command(
+            port, certs=None, auth=False), logs, env))
+        _wait("the SuperLink", lambda: deploy.port_open(port), procs)
+        address = f"{deploy.HOST}:{port}"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FLWR_HOME", env["FLWR_HOME"])
+            deploy.write_federation(federation, address, None)
+        opts = deploy.Options(nodes=nodes, mode="fedring")
+        for i, nproc in enumerate(processes):
+            runtime = deploy.free_port()
+            procs.append(deploy._launch(f"supernode-{i}", deploy.supernode_command(
+                i, address, runtime, opts, None), logs, env))
+            procs.append(deploy._launch(f"silo-{i}", [
+                sys.executable, "-m", "simulations.cli", "silo", "--nproc-per-node", str(nproc),
+                "--runtime-api-address", f"{deploy.HOST}:{runtime}", "--insecure",
+                "--device", "cpu", "--threads", "1", "--timeout", "60"], logs, env))
+        plain = deploy.Options(nodes=nodes, mode="flower")
+        for i in range(len(processes), nodes):
+            procs.append(deploy._launch(f"plain-{i}", deploy.supernode_command(
+                i, address, deploy.free_port(), plain, None), logs, env))
+        _wait("the SuperNodes and silos", lambda: all(
+            deploy.log_has(r["log"], "polling" if r["name"].startswith("silo")
+                           else "SuperNode ID:") for r in procs[1:]), procs)
+        yield {"env": env, "tmp": tmp, "procs": {r["name"]: r for r in procs}}
+    finally:
+        deploy.stop_processes(procs, timeout_s=5)
+
+
+@contextmanager
+def flwr_run(fed: dict[str, Any], federation: str, db: str,
+             overrides: str) -> Iterator[subprocess.Popen]:
+    """`flwr run` of fedring over a deployment (killed if it still runs at the end)."""
+    run = subprocess.Popen([str(BIN / "flwr"), "run", ".", federation, "--run-config",
+                            f'db="{db}" overrides="{overrides}"', "--stream"], cwd=ROOT,
+                           env=fed["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch.distributed as dist
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from silo_helpers import SILOS, expected_first_round, join_then_die, scenario
 
 from aggregation.ring import RingError
 from client import wire
 from client.silo_app import AGGREGATE_RECORD, RESULT_RECORD, RING_RECORD
 from client.silo_ring import RingSpec, blamed_ranks, ring_aggregate
+from server.cross_silo import judge
+from simulations.apps import client_app as plain_client_app
 from simulations.apps import spec_from_run_config
 from simulations.silo_engine import ConcurrentGrid, silo_client_app
 from simulations.task import ScenarioTask
@@ -146,6 +149,70 @@ def test_the_run_stops_when_too_few_silos_are_left(run_inprocess, store) -> None
     assert summary["status"] == "stopped" and summary["rounds"] == 1
     assert f"{SILOS - 1} silo(s) left after excluding [{hung[0]}]" in summary["stop_reason"]
     assert [r.status for r in store.rounds(summary["run_id"])] == ["completed", "failed"]
+
+
+# The healthy silos reach the rendezvous more than TRAIN_S after a non-silo's error reply,
+# later than ring_timeout_s + 5 s (all the server used to wait after a failure), and give
+# up join_timeout_s later: beyond failure_grace_s after the error, so the server must count
+# their grace from their arrival at the rendezvous.
+NO_SILO = {"silo.join_timeout_s": 8.0, "silo.ring_timeout_s": 1.0,
+           "federation.round_timeout_s": 60.0}
+TRAIN_S = 6.5
+
+
+def test_a_node_that_is_no_silo_is_the_only_one_excluded(run_inprocess, store) -> None:
+    """Two silos and a node serving the plain ClientApp, which answers train.cross_silo with
+    an error at once. The silos train slowly, then wait for it at the rendezvous and report
+    that its ring rank did not join; they are not blamed, and round 2 runs with them."""
+    silo, non_silo = silo_app(), []
+
+    def mixed(msg: Message, context: Context) -> Message:
+        if context.node_config["partition-id"] == SILOS - 1:
+            non_silo.append(context.node_id)
+            return plain_client_app(msg, context)
+        if ring_of(msg)[0] == 1:
+            time.sleep(TRAIN_S)
+        return silo(msg, context)
+
+    config = scenario(rounds=2, **NO_SILO)
+    summary = run_inprocess(config, grid=ConcurrentGrid(mixed, SILOS))
+    run_id = summary["run_id"]
+    _, first, second = store.rounds(run_id)
+    assert first.status == "failed" and first.num_replies == SILOS  # every silo reported
+    assert first.wall_s >= TRAIN_S + NO_SILO["silo.join_timeout_s"]  # the server waited
+    updates = {u.client_id: u for _, u in store.updates(run_id, round=1)}
+    bad = str(non_silo[0])
+    assert updates[bad].fate == "rejected" and "silo error" in updates[bad].reason
+    healthy = [u for cid, u in updates.items() if cid != bad]
+    assert len(healthy) == SILOS - 1
+    assert all(u.fate == "rejected" and "did not join" in u.reason for u in healthy)
+    assert first.metrics["ring_excluded"] == 1
+    assert second.status == "completed" and second.num_accepted == SILOS - 1
+    assert {u.client_id for _, u in store.updates(run_id, round=2)} == {u.client_id
+                                                                         for u in healthy}
+    assert (summary["status"], summary["versions"]) == ("completed", 1)
+
+
+def _reply(status: str, peers: list[int]) -> Message:
+    result = ConfigRecord({"status": status, "peers": peers, "error": "ring rendezvous"})
+    return Message(RecordDict({RESULT_RECORD: result, "metrics": MetricRecord()}), 0, "train")
+
+
+@pytest.mark.parametrize(("joined", "peers", "blamed"), [
+    ({11, 12}, [0], {10}),  # 12 joined and no report names it: silent, not to blame
+    ({11}, [0], {10, 12}),  # 12 never reached the rendezvous
+    ({11, 12}, [0, 2], {10, 12}),  # 12 joined, but its peer names it (hung in the ring)
+])
+def test_a_silent_silo_is_blamed_only_if_it_did_not_join_or_a_peer_names_it(
+        joined: set[int], peers: list[int], blamed: set[int]) -> None:
+    order = [10, 11, 12]  # 10 fails on its own; 11 reports the ranks in peers; 12 is silent
+    error = Message(Error(0, "not a silo"), reply_to=_reply("ok", []))
+    outcome = judge(order, {10: error, 11: _reply("ring-timeout", peers)}, dim=4,
+                    joined=joined)
+    assert not outcome.completed and set(outcome.blamed) == blamed
+    silent = next(r for r in outcome.records(version=0) if r.client_id == "12")
+    assert silent.fate == "dropped"
+    assert ("not excluded" in silent.reason) == (12 not in blamed)
 
 
 def test_a_silo_rejects_its_own_bad_update_and_the_ring_goes_on(run_inprocess, store) -> None:

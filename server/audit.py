@@ -1,0 +1,189 @@
+"""``[audit]``: canary clients in the server's rounds for the one-shot privacy estimate.
+
+With ``canaries = K`` (0, the default, turns the audit off: no canary ever enters the
+run), K canary clients with random unit directions (``privacy.dp.audit``, from OS entropy)
+take part in the sync driver's rounds, plain or secure, as the pipeline post stage
+:class:`CanaryAudit`, which runs right after the combine and before central DP's noise.
+In each released round every canary takes part independently with the run's sampling
+rate q (``federation.sample_fraction`` for Poisson sampling, clients per round over
+clients for fixed-size sampling), from OS entropy, and contributes:
+
+- with DP (central or distributed): its direction times the clip norm C, into the clipped
+  sum before central noise (central DP, plain or secure), or into the decoded noisy sum
+  (distributed DP, where the clients' noise is already in it);
+- without DP: its direction times ``canary_norm``, or, when that is 0, the median L2 norm
+  of the round's accepted updates (the server sees no update under secure aggregation,
+  so there ``canary_norm`` must be set), as one average client of a mean.
+
+Canaries are never counted as clients: not in the divisor (central DP divides by the
+public expected count, a mean by the real clients), not in the accountant, not in the
+accepted or rejected counts. At the end of the run the estimate (``epsilon_audit``) comes
+from ``theta_T - theta_0``; its delta is the run's ``dp.delta``, or 1e-5 without DP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aggregation import PostStage
+from privacy.dp.audit import AuditEstimate, audit_epsilon, canary_entropy, random_canaries
+from server.config import LINEAR_COMBINES, FederationConfig
+
+if TYPE_CHECKING:
+    from server.dp import DPController
+    from server.scenario import ServerScenario
+
+DELTA_WITHOUT_DP = 1e-5
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """``[audit]``: ``canaries`` (K; 0 = off) and ``canary_norm`` (runs without DP)."""
+
+    canaries: int = 0
+    canary_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.canaries < 0 or self.canaries == 1:
+            raise ValueError(f"audit.canaries must be 0 (no audit) or at least 2 (a Gaussian "
+                             f"is fitted to their cosines; a few hundred give a usable "
+                             f"estimate), got {self.canaries}")
+        if not self.canary_norm >= 0:
+            raise ValueError(f"audit.canary_norm must be >= 0 (0: the median norm of each "
+                             f"round's accepted updates), got {self.canary_norm}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.canaries > 0
+
+
+def check_audit(config: Mapping[str, Any]) -> AuditConfig | None:
+    """The run's audit settings, or None when off; combinations the canaries cannot take
+    part in fail with a message naming the key to change."""
+    audit = AuditConfig(**config.get("audit", {}))
+    if not audit.enabled:
+        return None
+    kind = config.get("driver", {}).get("kind", "sync")
+    if kind != "sync":
+        raise ValueError(f"[audit] canaries take part in sync rounds only; driver.kind is "
+                         f"'{kind}': set driver.kind = 'sync' or audit.canaries = 0")
+    combine = config["aggregation"]["combine"]
+    if combine not in LINEAR_COMBINES:
+        raise ValueError(f"[audit] adds canaries to a linear aggregate; aggregation.combine "
+                         f"'{combine}' is not one: use 'mean' or 'sum', or audit.canaries = 0")
+    mode = config.get("dp", {}).get("mode", "off")
+    if mode == "local":
+        raise ValueError("[audit] does not support dp.mode = 'local' (each canary would "
+                         "need its own local noise): use central or distributed DP, or "
+                         "audit.canaries = 0")
+    if mode != "off" and audit.canary_norm > 0:
+        raise ValueError("audit.canary_norm is for runs without DP; with DP each canary "
+                         "has the clip norm dp.clip: remove audit.canary_norm")
+    secure = bool(config.get("secagg", {}).get("enabled", False))
+    if mode == "off" and secure and audit.canary_norm == 0:
+        raise ValueError("[audit] without DP under secure aggregation needs audit.canary_norm "
+                         "> 0: the server sees no single update's norm to size canaries by")
+    return audit
+
+
+def sampling_rate(fed: FederationConfig) -> float:
+    """The probability that a given client takes part in a round."""
+    return fed.expected_per_round() / fed.clients
+
+
+class CanaryAudit(PostStage):
+    """The canaries of one run: a post stage that adds the round's participating canaries
+    to the aggregate (see the module docstring), and the estimate at the end."""
+
+    def __init__(self, config: AuditConfig, *, rate: float, combine: str,
+                 dp: DPController | None = None) -> None:
+        if not config.enabled:
+            raise ValueError("CanaryAudit needs audit.canaries >= 2")
+        self.config = config
+        self.rate = rate
+        self.combine = combine
+        self.dp = dp
+        self.entropy = canary_entropy()
+        self.rng = np.random.default_rng()  # participation: OS entropy, never the run seed
+        self.canaries: np.ndarray | None = None  # (K, d) unit rows, drawn at the first round
+        self.participations = np.zeros(config.canaries, dtype=np.int64)
+        self.rounds = 0  # released rounds the canaries could take part in
+        self._round_norms: list[float] = []
+
+    @property
+    def delta(self) -> float:
+        return float(self.dp.config.delta) if self.dp is not None else DELTA_WITHOUT_DP
+
+    def observe_norms(self, norms: Iterable[float]) -> None:
+        """The L2 norms of the round's accepted updates (sizes canaries without DP)."""
+        self._round_norms = [float(n) for n in norms]
+
+    def _norm_and_scale(self, count: int) -> tuple[float, float]:
+        """A canary's norm and the factor that puts it on the aggregate's scale."""
+        if self.dp is not None:
+            if self.dp.config.mode == "distributed":  # the decoded sum over the public count
+                return self.dp.clip, 1.0 / self.dp.clients_per_round
+            return self.dp.clip, 1.0  # central: the clipped sum, before the noise
+        norm = self.config.canary_norm or (float(np.median(self._round_norms))
+                                           if self._round_norms else 0.0)
+        # a mean: one average client among the round's real ones; a sum: one more term
+        return norm, (1.0 / max(count, 1) if self.combine == "mean" else 1.0)
+
+    def apply(self, aggregate: np.ndarray, total_weight: float, count: int) -> np.ndarray:
+        if self.canaries is None:
+            self.canaries = random_canaries(self.config.canaries, aggregate.size, self.entropy)
+        taking_part = self.rng.random(self.config.canaries) < self.rate
+        self.rounds += 1
+        self.participations += taking_part
+        norm, scale = self._norm_and_scale(count)
+        self._round_norms = []
+        if norm == 0.0 or not taking_part.any():
+            return aggregate
+        step = taking_part.astype(np.float32) @ self.canaries
+        return aggregate + np.float32(norm * scale) * step
+
+    def estimate(self, change: np.ndarray) -> AuditEstimate | None:
+        """The estimate from the final model change (None before any released round)."""
+        if self.rounds == 0:
+            return None
+        if self.canaries is None:  # resumed after the last released round
+            self.canaries = random_canaries(self.config.canaries, change.size, self.entropy)
+        return audit_epsilon(change, self.canaries, self.delta)
+
+    def summary(self, change: np.ndarray) -> dict[str, Any]:
+        """``epsilon_audit`` and what it rests on, for the run summary."""
+        est = self.estimate(change)
+        out: dict[str, Any] = {"audit_canaries": self.config.canaries,
+                               "audit_delta": self.delta,
+                               "audit_participations": int(self.participations.sum())}
+        out["epsilon_audit"] = None if est is None else round(est.epsilon, 6)
+        if est is not None:
+            out["audit_mu"] = round(est.mu, 6)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        # the canaries are public probes (no client's data): a resumed run keeps them
+        return {"entropy": str(self.entropy), "rounds": self.rounds,
+                "participations": self.participations.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "entropy" in state:
+            self.entropy = int(state["entropy"])
+            self.canaries = None
+            self.rounds = int(state["rounds"])
+            self.participations = np.asarray(state["participations"], dtype=np.int64)
+
+
+def make_audit(scenario: ServerScenario, dp: DPController | None) -> CanaryAudit | None:
+    """The run's canary stage, or None without ``[audit]`` (or with ``canaries = 0``);
+    ValueError for a combination canaries cannot take part in (checked for a config made
+    by hand too)."""
+    audit = check_audit(scenario.raw)
+    if audit is None:
+        return None
+    return CanaryAudit(audit, rate=sampling_rate(scenario.federation),
+                       combine=scenario.aggregation.combine, dp=dp)

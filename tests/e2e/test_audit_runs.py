@@ -1,0 +1,144 @@
+"""The one-shot canary audit ([audit]) through the real ServerApp, ClientApp and pipeline.
+
+Sizes: the default scenario's MLP (d = 4810), 20 clients, 10 rounds, one local epoch.
+The estimate's ``mu`` has a statistical error of about sqrt((1 + mu^2/2) / K); the
+margins below are several times that (checked over repeated runs: see docs/BENCHMARKS.md,
+"Empirical privacy audit"). No test relies on seeded cohorts under DP: every DP run here
+either samples everyone (Poisson, q = 1) or compares statistics only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import dp_accounting
+import numpy as np
+import pytest
+
+import server.dp
+from server.app import run_server
+from simulations.apps import build_task, client_app
+from simulations.config import load_scenario
+from simulations.inprocess import InProcessGrid
+
+
+def fedring(*args: str, cwd) -> subprocess.CompletedProcess[str]:
+    """The ``fedring`` command in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "simulations.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+BASE = ["train.local_epochs=1", "federation.rounds=10", 'federation.sampling="poisson"']
+CENTRAL = [*BASE, 'dp.mode="central"', 'aggregation.weight_by="uniform"', "dp.clip=1.0",
+           "dp.delta=1e-5"]
+
+
+def test_central_dp_estimate_stays_below_the_accountant(run_inprocess):
+    cfg = load_scenario("default", [*CENTRAL, "dp.noise_multiplier=1.0",
+                                    "federation.sample_fraction=0.5", "audit.canaries=100"])
+    summary = run_inprocess(cfg)
+    # the accountant: about 11.5 here; the audit of the final model: about 6 +- 1.5
+    assert summary["audit_delta"] == summary["delta"] == 1e-5
+    assert 0 < summary["epsilon_audit"] <= summary["epsilon"]
+    # each canary took part in about half of the 10 rounds
+    assert summary["audit_participations"] == pytest.approx(100 * 10 * 0.5, rel=0.15)
+
+
+def test_halved_noise_is_caught_by_the_audit(run_inprocess, monkeypatch):
+    """A test double of the noise stage adds half the std while the accountant still
+    charges the full z: the audit's estimate exceeds the accountant's claim."""
+    honest = server.dp.central_dp_mean
+
+    def halved(clipped_sum, count, clip, noise_multiplier, rng):
+        return honest(clipped_sum, count, clip, noise_multiplier / 2, rng)
+
+    monkeypatch.setattr(server.dp, "central_dp_mean", halved)
+    # q = 1: the accountant (no amplification to claim) is exact, 8.08 at z = 2, T = 10
+    cfg = load_scenario("default", [*CENTRAL, "dp.noise_multiplier=2.0",
+                                    "federation.sample_fraction=1.0", "audit.canaries=100"])
+    summary = run_inprocess(cfg)
+    assert summary["epsilon"] == pytest.approx(8.08, abs=0.01)
+    assert summary["epsilon_audit"] > 1.3 * summary["epsilon"]  # about 16 with z = 1
+
+
+def test_without_dp_the_estimate_is_far_above_a_dp_run(run_inprocess):
+    # a wider MLP (d = 19210): the canaries' cosines grow with sqrt(d) without noise
+    cfg = load_scenario("default", [*BASE, "model.hidden=[256]", "audit.canaries=50"])
+    summary = run_inprocess(cfg)
+    assert "epsilon" not in summary and summary["audit_delta"] == 1e-5
+    # what central DP at z = 1 would claim for the same 10 rounds with everyone taking part
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(1.0), 10)
+    central = acc.get_epsilon(1e-5)  # 19.05
+    assert summary["epsilon_audit"] > 3 * central  # about 120
+
+
+def test_distributed_dp_estimate_stays_below_the_accountant(run_inprocess):
+    cfg = load_scenario("default", [*BASE, 'dp.mode="distributed"', "secagg.enabled=true",
+                                    'aggregation.weight_by="uniform"', "dp.clip=1.0",
+                                    "dp.noise_multiplier=1.0", "federation.sample_fraction=0.5",
+                                    "audit.canaries=100"])
+    summary = run_inprocess(cfg)
+    # the audit looks at the released model: compare with the accountant's figure for it
+    # (epsilon_model where the accountant reports one apart from the server's epsilon)
+    assert 0 < summary["epsilon_audit"] <= summary.get("epsilon_model", summary["epsilon"])
+
+
+def _final_params(store, summary) -> np.ndarray:
+    return store.load_checkpoint(summary["run_id"]).params
+
+
+SMALL = ["federation.clients=5", "federation.rounds=3", "train.local_epochs=1"]
+
+
+def test_canaries_never_enter_a_run_without_audit(run_inprocess, store):
+    plain = run_inprocess(load_scenario("default", SMALL))
+    off = run_inprocess(load_scenario("default", [*SMALL, "audit.canaries=0"]))
+    on = run_inprocess(load_scenario("default", [*SMALL, "audit.canaries=20"]))
+    assert not any(k.startswith(("audit", "epsilon_audit")) for k in [*plain, *off])
+    np.testing.assert_array_equal(_final_params(store, plain), _final_params(store, off))
+    assert not np.array_equal(_final_params(store, plain), _final_params(store, on))
+    # canaries are not clients: every round accepted exactly the 5 real ones
+    assert [r.num_accepted for r in store.rounds(on["run_id"])[1:]] == [5, 5, 5]
+    assert "epsilon_audit" in on and on["audit_participations"] == 20 * 3
+
+
+
+@pytest.mark.slow
+def test_cli_json_line_and_report_show_the_audit_beside_the_accountant(tmp_path):
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    proc = fedring("simulate", "--clients", "5", "--rounds", "3", "--db", db, "--json",
+                   *(f"--set={o}" for o in [*SMALL, 'dp.mode="central"', "dp.clip=1.0",
+                                           'aggregation.weight_by="uniform"',
+                                           "audit.canaries=20"]), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["epsilon_audit"] >= 0 and summary["audit_canaries"] == 20
+    report = fedring("report", summary["run_id"], "--db", db, "--out", str(tmp_path),
+                     cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    line = next(x for x in report.stdout.splitlines() if x.startswith("privacy:"))
+    assert f"epsilon {summary['epsilon']:.4g} (accountant" in line
+    assert f"epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary" in line
+
+
+def test_a_resumed_run_keeps_its_canaries(run_inprocess, store, db_url):
+    cfg = load_scenario("default", [*SMALL, "audit.canaries=20"])
+    first = run_inprocess(cfg)
+
+    def saved_audit() -> dict:
+        state = store.load_checkpoint(first["run_id"]).state["pipeline"]
+        return next(v for v in state.values() if "entropy" in v)
+
+    before = saved_audit()
+    assert before["rounds"] == 3 and sum(before["participations"]) == 20 * 3
+    longer = {**cfg, "federation": {**cfg["federation"], "rounds": 5}}
+    summary = run_server(InProcessGrid(client_app, 5), longer, task=build_task(longer),
+                         store_url=db_url, resume=first["run_id"])
+    after = saved_audit()
+    assert after["entropy"] == before["entropy"] and after["rounds"] == 5
+    assert summary["audit_participations"] == 20 * 5
