@@ -9,6 +9,7 @@ from staleness_helpers import scenario
 
 from aggregation import Hinge, Update
 from server.config import AggregationConfig
+from server.driver_config import DriverConfig
 
 # (a, b, tau, s(tau)), each s worked out by hand; every b has a tau at b and beyond it.
 HAND = [
@@ -31,8 +32,9 @@ def test_configured_hinge_weights_each_update_by_its_own_b(b: int) -> None:
     a = cases[0][0]
     cfg = scenario("driver.staleness=hinge", f"driver.staleness_a={a}",
                    f"driver.staleness_b={b}")
-    assert cfg["aggregation"]["staleness_b"] == b
-    pipeline = AggregationConfig(**cfg["aggregation"]).build()
+    assert cfg["driver"]["staleness_b"] == b
+    staleness = DriverConfig(**cfg["driver"]).staleness_config()
+    pipeline = AggregationConfig(**cfg["aggregation"]).build(staleness=staleness)
     version = 20
     agg = pipeline.open_round(dim=2, version=version)
     for i, (_, tau, s) in enumerate(cases):
