@@ -115,7 +115,7 @@ def test_central_dp_canaries_join_the_clipped_sum_and_not_the_count():
     public count (4), never by the real (3) or real + canary (3 + 6) ones."""
     d, dp = 50, _central()
     audit = CanaryAudit(AuditConfig(canaries=6), rate=1.0, combine="mean", dp=dp)
-    pipeline = AggregationConfig(weight_by="uniform").build(dp, canaries=audit)
+    pipeline = AggregationConfig(weight_by="uniform").build(dp.stages(), canaries=audit)
     agg = pipeline.open_round(dim=d, version=0)
     updates = _updates(np.random.default_rng(1), d, 3)
     for u in updates:
@@ -142,7 +142,7 @@ def test_canaries_are_in_the_noised_sum_and_only_sampled_ones():
 def test_without_dp_a_canary_is_an_average_client_of_the_median_norm():
     d = 40
     audit = CanaryAudit(AuditConfig(canaries=3), rate=1.0, combine="mean")
-    pipeline = AggregationConfig().build(None, canaries=audit)
+    pipeline = AggregationConfig().build(canaries=audit)
     agg = pipeline.open_round(dim=d, version=0)
     updates = _updates(np.random.default_rng(2), d, 5)
     for u in updates:
