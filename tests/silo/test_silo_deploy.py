@@ -63,7 +63,7 @@ def silos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     procs: list[dict[str, Any]] = []
     try:
         port = deploy.free_port()
-        procs.append(deploy._launch("superlink", deploy.superlink_command(
+        procs.append(deploy.launch_process("superlink", deploy.superlink_command(
             port, certs=None, auth=False), logs, env))
         _wait("the SuperLink", lambda: deploy.port_open(port), procs)
         address = f"{deploy.HOST}:{port}"
@@ -73,9 +73,9 @@ def silos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         opts = deploy.Options(nodes=SILOS, mode="fedring")
         for i, nproc in enumerate(PROCESSES):
             runtime = deploy.free_port()
-            procs.append(deploy._launch(f"supernode-{i}", deploy.supernode_command(
+            procs.append(deploy.launch_process(f"supernode-{i}", deploy.supernode_command(
                 i, address, runtime, opts, None), logs, env))
-            procs.append(deploy._launch(f"silo-{i}", [
+            procs.append(deploy.launch_process(f"silo-{i}", [
                 sys.executable, "-m", "simulations.cli", "silo", "--nproc-per-node", str(nproc),
                 "--runtime-api-address", f"{deploy.HOST}:{runtime}", "--insecure",
                 "--device", "cpu", "--threads", "1", "--timeout", "60"], logs, env))
