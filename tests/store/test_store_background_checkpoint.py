@@ -95,7 +95,7 @@ def test_in_memory_store_saves_at_once():
         run_id = store.create_run(config={}, seed=0)
         store.save_checkpoint_in_background(run_id, round=1, model_version=1,
                                             params=np.ones(3, np.float32), state={"a": 1})
-        assert store._in_flight is None
+        assert store._writer.in_flight is None
         assert store.load_checkpoint(run_id).state == {"a": 1}
 
 
