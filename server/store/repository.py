@@ -81,7 +81,6 @@ def _now_strict() -> datetime:
         return now
 
 
-
 class Store:
     """SQL store of runs. Thread-safe: every call uses its own session."""
 

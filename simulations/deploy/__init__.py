@@ -26,31 +26,16 @@ lines, environment), ``federation`` (Flower's config entry, key registration),
 """
 
 
-from simulations.deploy.cli import add_parsers, cmd_certs, cmd_down, cmd_up
+from simulations.deploy.cli import add_parsers, cmd_down, cmd_up
 from simulations.deploy.commands import (
-    DEFAULT_DB,
-    FEDERATION,
-    MODES,
-    PRELOAD,
-    STATE_DIR,
-    WARM_MODES,
     Options,
-    command_env,
     executor_command,
     run_command,
     superlink_command,
     supernode_command,
 )
-from simulations.deploy.deployment import (
-    STATE_FILE,
-    describe,
-    down,
-    read_state,
-    start_supernode,
-    up,
-    write_state,
-)
-from simulations.deploy.federation import flwr_config_path, register_supernode, write_federation
+from simulations.deploy.deployment import STATE_FILE, down, read_state, up
+from simulations.deploy.federation import write_federation
 from simulations.deploy.processes import (
     HOST,
     DeployError,
@@ -62,15 +47,11 @@ from simulations.deploy.processes import (
     port_open,
     start_time,
     stop_processes,
-    wait_until,
 )
 
 __all__ = [
-    "DEFAULT_DB", "FEDERATION", "HOST", "MODES", "PRELOAD", "STATE_DIR", "STATE_FILE",
-    "WARM_MODES", "DeployError", "Options", "add_parsers", "alive", "cmd_certs", "cmd_down",
-    "cmd_up", "command_env", "descendants", "describe", "down", "executor_command",
-    "flwr_config_path", "free_port", "launch_process", "log_has", "port_open", "read_state",
-    "register_supernode", "run_command", "start_supernode", "start_time", "stop_processes",
-    "superlink_command", "supernode_command", "up", "wait_until", "write_federation",
-    "write_state",
+    "HOST", "STATE_FILE", "DeployError", "Options", "add_parsers", "alive", "cmd_down",
+    "cmd_up", "descendants", "down", "executor_command", "free_port", "launch_process",
+    "log_has", "port_open", "read_state", "run_command", "start_time", "stop_processes",
+    "superlink_command", "supernode_command", "up", "write_federation",
 ]
