@@ -19,9 +19,9 @@ from flwr.app import ConfigRecord, Context, Message
 from silo_helpers import SILOS, expected_first_round, join_then_die, scenario
 
 from aggregation.ring import RingError
-from client import wire
-from client.silo_app import AGGREGATE_RECORD, RESULT_RECORD, RING_RECORD
-from client.silo_ring import RingSpec, blamed_ranks, ring_aggregate
+from client.protocol.ring import RingRecord, RingSpec
+from client.protocol.updates import delta_record, read_delta
+from client.silo.ring import blamed_ranks, ring_aggregate
 from simulations.apps import spec_from_run_config
 from simulations.silo_engine import ConcurrentGrid, silo_client_app
 from simulations.task import ScenarioTask
@@ -35,7 +35,7 @@ def silo_app() -> Callable[[Message, Context], Message]:
 
 def ring_of(msg: Message) -> tuple[int, int]:
     """(server round, ring rank) of a cross-silo message."""
-    ring = msg.content[RING_RECORD]
+    ring = msg.content[RingRecord.SPEC]
     return int(msg.content["config"]["server-round"]), int(ring["rank"])
 
 
@@ -68,10 +68,10 @@ def _lie_about(kind: str) -> Callable[[Message, Context], Message]:
         if rnd != 1 or reply.has_error():
             return reply
         if kind == "digest" and rank == 1:
-            reply.content[RESULT_RECORD]["digest"] = "0" * 64
+            reply.content[RingRecord.RESULT]["digest"] = "0" * 64
         if kind == "aggregate" and rank == 0:
-            tampered = np.array(wire.read_delta(reply.content[AGGREGATE_RECORD])) + 1e-3
-            reply.content[AGGREGATE_RECORD] = wire.delta_record(tampered.astype(np.float32))
+            tampered = np.array(read_delta(reply.content[RingRecord.AGGREGATE])) + 1e-3
+            reply.content[RingRecord.AGGREGATE] = delta_record(tampered.astype(np.float32))
         return reply
 
     return lying
@@ -153,8 +153,8 @@ def test_a_silo_rejects_its_own_bad_update_and_the_ring_goes_on(run_inprocess, s
 
     def strict(msg: Message, context: Context) -> Message:
         if ring_of(msg)[1] == 1:  # this silo checks its delta against a tiny norm bound
-            ring = msg.content[RING_RECORD]
-            msg.content[RING_RECORD] = ConfigRecord({**ring, "max_norm": 1e-6})
+            ring = msg.content[RingRecord.SPEC]
+            msg.content[RingRecord.SPEC] = ConfigRecord({**ring, "max_norm": 1e-6})
         return app(msg, context)
 
     summary = run_inprocess(scenario(rounds=1), grid=ConcurrentGrid(strict, SILOS))
