@@ -6,20 +6,21 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client import wire
+from client.protocol.keys import MetricKey
+from client.protocol.npy import npy_array
 from simulations.apps import client_app as honest_app
 
 
 def _delta_reply(msg: Message, delta, metrics: dict) -> Message:
     record = ArrayRecord()
-    record["delta"] = wire.npy_array(np.asarray(delta))
+    record["delta"] = npy_array(np.asarray(delta))
     return Message(RecordDict({"delta": record, "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 def hostile_app(dim: int) -> ClientApp:
     """Partition 0 is honest; the others each send one kind of bad reply."""
     app = ClientApp()
-    ok = {"num-examples": 5, wire.BASE_VERSION_METRIC: 0}
+    ok = {"num-examples": 5, MetricKey.BASE_VERSION: 0}
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -34,12 +35,12 @@ def hostile_app(dim: int) -> ClientApp:
             return _delta_reply(msg, np.zeros(dim, np.float64), ok)
         if pid == 4:
             return _delta_reply(msg, np.zeros(dim, np.float32), {"num-examples": 0,
-                                                                  wire.BASE_VERSION_METRIC: 0})
+                                                                  MetricKey.BASE_VERSION: 0})
         if pid == 5:
-            return _delta_reply(msg, np.zeros(dim, np.float32), {wire.BASE_VERSION_METRIC: 0})
+            return _delta_reply(msg, np.zeros(dim, np.float32), {MetricKey.BASE_VERSION: 0})
         if pid == 6:
             bad = ArrayRecord()
-            bad["delta"] = wire.npy_array(np.zeros(dim, np.float32))
+            bad["delta"] = npy_array(np.zeros(dim, np.float32))
             bad["delta"].data = bad["delta"].data[:-7]  # truncated bytes
             return Message(RecordDict({"delta": bad, "metrics": MetricRecord(ok)}),
                            reply_to=msg)

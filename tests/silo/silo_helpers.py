@@ -80,7 +80,8 @@ def join_then_die(spec: dict[str, Any]) -> None:
 
     import torch.distributed as dist
 
-    from client.silo_ring import RingSpec, _join
+    from client.protocol.ring import RingSpec
+    from client.silo.ring import _join
 
     ring = RingSpec(**spec)
     store = _join(ring)

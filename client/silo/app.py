@@ -1,0 +1,262 @@
+"""fedring's ClientApp for silos: data-parallel training inside, cross-silo rounds over the ring.
+
+A silo answers the same messages as any fedring client, and one more:
+
+- ``train``: load the global model, train on the silo's partition, reply with the delta.
+  With a :class:`~client.silo.job.SiloGroup` of several processes (``fedring silo
+  --nproc-per-node N``) training is DDP over them; alone it is ``client.training.train``.
+- ``train.cross_silo``: train likewise, then join the round's ring with the other silos
+  (``client.silo.ring``) and reply with the digest of the aggregate; the silo at ring
+  rank 0 adds the aggregate itself. The server never sees a single silo's delta.
+- ``query.cross_silo`` (secure cross-silo rounds, after ``train.secagg`` and the key
+  stages): mask the update as a SecAgg+ client does (FORWARDED_SHARES -> MASKED_INPUT,
+  ``client.secure_client``), sum the masked words over the ring and reply with the
+  digest of the masked sum; ring rank 0 adds the masked sum itself.
+- ``evaluate`` and the secure-aggregation stages, as fedring's ClientApp.
+
+Each (task, node) has its own model and data, so several silos can live in one process
+(the in-process engine runs them on threads).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from aggregation.ring import RingError, RingTimeout
+from client.app import FedringClient, LocalUpdate, _first, noise_rng, training_seed
+from client.flat_model import FlatModel
+from client.protocol.errors import WireError
+from client.protocol.keys import ConfigKey, MetricKey, RecordName
+from client.protocol.ring import (
+    CROSS_SILO_ACTION,
+    RingKey,
+    RingMetric,
+    RingRecord,
+    RingSpec,
+    RingStatus,
+    ring_spec,
+)
+from client.protocol.secagg import SecAggKey, SecAggRecord
+from client.protocol.updates import delta_record, flatten_model, model_views
+from client.secure_client import SecureClient, register_secagg
+from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
+from client.task import ClientTask, SpecResolver, TaskFactory
+from client.training import train, train_dp_sgd
+from privacy.dp import local_dp_update
+from privacy.secagg.messages import decode_masked_input
+
+
+@dataclass
+class SiloWorker:
+    """One task's model and data in this process, on the silo's device."""
+
+    task: ClientTask
+    model: FlatModel  # float32 parameters on the CPU: what comes in and goes out
+    module: torch.nn.Module  # what trains: ``model.module`` on the CPU, a copy on a GPU
+    device: torch.device
+    delta: np.ndarray
+    data: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, task: ClientTask, device: torch.device) -> SiloWorker:
+        model = FlatModel(task.build_model())
+        module = model.module if device.type == "cpu" else \
+            FlatModel(task.build_model()).module.to(device)
+        return cls(task=task, model=model, module=module, device=device,
+                   delta=np.empty(model.dim, dtype=np.float32))
+
+    def partition(self, pid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if pid not in self.data:
+            x, y = self.task.partition(pid)
+            self.data[pid] = (x.to(self.device), y.to(self.device))
+        return self.data[pid]
+
+    def to_module(self) -> None:
+        """Copy the flat parameters into the training module (a no-op on the CPU)."""
+        if self.module is not self.model.module:
+            torch.nn.utils.vector_to_parameters(self.model.flat.to(self.device),
+                                                self.module.parameters())
+
+    def from_module(self) -> None:
+        """Copy the trained module's parameters back into the flat vector."""
+        if self.module is not self.model.module:
+            with torch.no_grad():
+                self.model.flat.copy_(
+                    torch.nn.utils.parameters_to_vector(self.module.parameters()).cpu())
+
+
+class WorkerCache:
+    """Workers by (task, slot): one slot per silo living in this process."""
+
+    def __init__(self, task_factory: TaskFactory, device: torch.device) -> None:
+        self._factory = task_factory
+        self.device = device
+        self._workers: dict[Any, tuple[str, SiloWorker]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, task_key: str, slot: Any = 0) -> SiloWorker:
+        with self._lock:
+            held = self._workers.get(slot)
+            if held is None or held[0] != task_key:
+                held = (task_key, SiloWorker.build(self._factory(json.loads(task_key)),
+                                                   self.device))
+                self._workers[slot] = held  # one task per slot at a time
+            return held[1]
+
+
+class Group(Protocol):
+    """The silo's processes as the ClientApp sees them (``client.silo.job.SiloGroup``)."""
+
+    size: int
+
+    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int) -> float: ...
+
+
+def update_problem(delta: np.ndarray, max_norm: float) -> tuple[str | None, float]:
+    """Why a delta may not enter the ring (non-finite, or norm above ``max_norm`` > 0), and
+    its norm."""
+    norm = float(np.sqrt(np.einsum("i,i->", delta, delta, dtype=np.float64)))
+    if not np.isfinite(norm):
+        return "delta has NaN or Inf values", norm
+    if max_norm > 0 and norm > max_norm:
+        return f"delta norm {norm:.4g} exceeds aggregation.max_norm {max_norm:g}", norm
+    return None, norm
+
+
+class SiloClient(FedringClient):
+    """fedring's client whose local training runs on the silo's processes."""
+
+    def __init__(self, task_factory: TaskFactory, resolve_spec: SpecResolver, *,
+                 group: Group | None = None, device: torch.device | str = "cpu") -> None:
+        super().__init__(task_factory, resolve_spec)
+        self.group = group
+        self.workers = WorkerCache(task_factory, torch.device(device))
+        self.secure = SecureClient(self.local_update)  # its session lives in Context.state
+        self._specs: dict[str, str] = {}
+
+    def _task_key(self, config: ConfigRecord, context: Context) -> str:
+        raw = config.get(ConfigKey.TASK)
+        if isinstance(raw, str):
+            return raw
+        run_config = json.dumps(dict(context.run_config), sort_keys=True, default=str)
+        if run_config not in self._specs:
+            self._specs[run_config] = json.dumps(self._resolve_spec(dict(context.run_config)),
+                                                 sort_keys=True)
+        return self._specs[run_config]
+
+    def local_update(self, msg: Message, context: Context) -> LocalUpdate:
+        """Load the sent model, train on the silo's partition; the delta and its metrics."""
+        config = _first(msg.content, ConfigRecord, RecordName.CONFIG)
+        key = self._task_key(config, context)
+        worker = self.workers.get(key, context.node_id)
+        pid = self._partition_id(context)
+        x, y = worker.partition(pid)
+        model, cfg = worker.model, worker.task.train_config
+        base = model_views(_first(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout)
+        flatten_model(base, model.layout, out=model.flat_np)
+        delta = worker.delta
+        np.copyto(delta, model.flat_np)  # the global model, until the delta replaces it
+        worker.to_module()
+        seed = training_seed(worker.task.seed, int(config.get(ConfigKey.SERVER_ROUND, 0)), pid)
+        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
+        if self.group is not None and self.group.size > 1:
+            loss = self.group.train(worker, key, pid, seed)
+        elif cfg.dp_sgd:
+            loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(worker.module, x, y, cfg, seed=seed)
+        else:
+            start = ([p.detach().clone() for p in worker.module.parameters()]
+                     if cfg.proximal_mu > 0 else None)
+            loss = train(worker.module, x, y, cfg, seed=seed, global_params=start)
+        worker.from_module()
+        metrics["train_loss"] = loss
+        np.subtract(model.flat_np, delta, out=delta)
+        if worker.task.local_dp is not None:
+            clip, z = worker.task.local_dp
+            delta, _ = local_dp_update(delta, clip, z, noise_rng())
+        tamper = getattr(worker.task, "tamper", None)  # simulated attackers only
+        tampered = bool(tamper(pid, delta, seed)) if tamper is not None else False
+        return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base, model=model,
+                           partition_id=pid,
+                           noised=worker.task.local_dp is not None or tampered)
+
+    def cross_silo(self, msg: Message, context: Context) -> Message:
+        """Train, join the round's ring, reply with the digest (ring rank 0: and the aggregate)."""
+        ring, spec = ring_spec(msg.content)
+        update = self.local_update(msg, context)
+        metrics = update.metrics
+        weight = (float(metrics[MetricKey.NUM_EXAMPLES])
+                  if ring.get(RingKey.WEIGHT_BY) == "examples" else 1.0)
+        reason, norm = update_problem(update.delta, float(ring.get(RingKey.MAX_NORM, 0.0)))
+        delta = update.delta
+        if reason is not None:  # still joins the ring, which needs every silo, with weight 0
+            weight, delta = 0.0, np.zeros_like(delta)
+        metrics[RingMetric.WEIGHT] = weight
+        if np.isfinite(norm):
+            metrics[RingMetric.NORM] = norm
+        result = ConfigRecord({RingKey.STATUS: RingStatus.OK, RingKey.RING_RANK: spec.rank,
+                               RingKey.REJECTED: reason or ""})
+        device = self.workers.device
+        return self._ring_reply(msg, metrics, result, spec, lambda: ring_aggregate(
+            delta, weight, spec, cuda_device=device.index or 0))
+
+    def secure_ring(self, msg: Message, context: Context) -> Message:
+        """Mask this silo's update (its SecAgg+ session answers FORWARDED_SHARES), sum the
+        masked words over the round's ring, reply with the masked sum's digest (ring rank
+        0: and the masked sum). The masked vector itself goes only into the ring."""
+        ring, spec = ring_spec(msg.content)
+        bits = ring.get(RingKey.BITS)
+        if isinstance(bits, bool) or not isinstance(bits, int):
+            raise WireError(f"a secure cross-silo message needs an integer '{RingKey.BITS}'")
+        masked = self.secure.query(msg, context)  # FORWARDED_SHARES -> MASKED_INPUT
+        _, own = decode_masked_input(masked.content[SecAggRecord.VECTOR][SecAggKey.VECTOR].data)
+        result = ConfigRecord({RingKey.STATUS: RingStatus.OK, RingKey.RING_RANK: spec.rank,
+                               RingKey.FAILED: [int(v) for v in own.failed]})
+        device = self.workers.device
+        return self._ring_reply(msg, MetricRecord(), result, spec, lambda: ring_sum_words(
+            own.vector, bits, spec, cuda_device=device.index or 0))
+
+    def _ring_reply(self, msg: Message, metrics: MetricRecord, result: ConfigRecord,
+                    spec: RingSpec, run: Callable[[], RingResult]) -> Message:
+        """Run this silo's part of the ring; the reply: the digest (ring rank 0: and the
+        aggregate), or the failure and the ring ranks it points at."""
+        device = self.workers.device
+        try:
+            if spec.backend == "nccl" and device.type != "cuda":
+                raise RingError(f"silo.backend 'nccl' needs a GPU in every silo; this one runs "
+                                f"on {device}", step="setup")
+            out = run()
+        except RingError as exc:
+            result[RingKey.STATUS] = RingStatus.TIMEOUT if isinstance(exc, RingTimeout) \
+                else RingStatus.RING_ERROR
+            result[RingKey.ERROR] = str(exc)
+            result[RingKey.STEP] = exc.step
+            result[RingKey.PEERS] = blamed_ranks(exc)  # the ring ranks it points at
+            return Message(RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result}),
+                           reply_to=msg)
+        result.update({RingKey.DIGEST: out.digest, RingKey.TOTAL_WEIGHT: out.total_weight,
+                       RingKey.COUNT: out.count, RingKey.RING_S: out.seconds})
+        content = RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result})
+        if spec.rank == 0:
+            content[RingRecord.AGGREGATE] = delta_record(out.aggregate)
+        return Message(content, reply_to=msg)
+
+
+def make_silo_client_app(client: SiloClient) -> ClientApp:
+    """A ClientApp serving ``client``: train, train.cross_silo, query.cross_silo, evaluate
+    and secagg."""
+    app = ClientApp()
+    app.train()(client.train)
+    app.train(CROSS_SILO_ACTION)(client.cross_silo)
+    app.query(CROSS_SILO_ACTION)(client.secure_ring)
+    app.evaluate()(client.evaluate)
+    register_secagg(app, client.local_update)
+    return app
