@@ -36,9 +36,9 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
+from ring_launch import launch
 
 from aggregation.ring import DEFAULT_SEGMENT_BYTES, DEFAULT_WINDOW, allreduce
-from aggregation.ring.launch import launch
 
 MIB = 1 << 20
 ALGORITHMS = ("ring", "ring_inplace", "native", "tree", "master", "ring_unpipelined")

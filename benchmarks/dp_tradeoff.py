@@ -29,7 +29,7 @@ from flwr.clientapp import ClientApp
 from harness import timed_simulation
 from machine_info import load_average, machine
 
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
 from client.secure_client import encode_distributed, quantize_into, register_secagg
 from privacy.dp import DPConfig, plan_distributed_dp
 from server.dp import DPController
@@ -112,7 +112,7 @@ def encode_cost(dim: int, clients: int) -> dict[str, Any]:
 class _Fixed:
     def __init__(self, delta: np.ndarray) -> None:
         self.delta = delta
-        self.metrics = MetricRecord({wire.NUM_EXAMPLES: 10})
+        self.metrics = MetricRecord({MetricKey.NUM_EXAMPLES: 10})
 
 
 def secure_round_cost(n: int, dim: int, z: float, repeats: int) -> dict[str, Any]:
@@ -132,7 +132,7 @@ def secure_round_cost(n: int, dim: int, z: float, repeats: int) -> dict[str, Any
         grid = InProcessGrid(app, n)
         t0 = time.perf_counter()
         out = secure_round(grid, nodes=list(deltas), arrays=ArrayRecord(),
-                           config=ConfigRecord({wire.SEED_KEY: 0}), settings=settings,
+                           config=ConfigRecord({ConfigKey.SEED: 0}), settings=settings,
                            weight_by="uniform", dim=dim, session=1, rnd=1, timeout=600.0,
                            poll=0.001, dp=dp if with_dp else None)
         if out.status != "completed":

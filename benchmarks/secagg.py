@@ -67,7 +67,9 @@ from flwr.clientapp import ClientApp
 
 from aggregation import Pipeline, Update, Validate, Weight, WeightedMean
 from aggregation.server_opt import FedAvg as FedAvgStep
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import npy_array
+from client.protocol.updates import delta_record, read_delta
 from client.secure_client import register_secagg
 from privacy.secagg.messages import read_header
 from privacy.secagg.prg import prg_bound
@@ -86,7 +88,7 @@ CLIP = 8.0  # Flower's default clipping range; deltas here are far inside it
 class Synthetic:
     def __init__(self, delta: np.ndarray, examples: int) -> None:
         self.delta = delta
-        self.metrics = MetricRecord({wire.NUM_EXAMPLES: examples})
+        self.metrics = MetricRecord({MetricKey.NUM_EXAMPLES: examples})
 
 
 def make_inputs(n: int, d: int, seed: int = 0) -> dict[int, tuple[np.ndarray, int]]:
@@ -131,8 +133,8 @@ def fedring_client_app(inputs: dict[int, tuple[np.ndarray, int]]) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         update = local(msg, context)
-        update.metrics[wire.BASE_VERSION_METRIC] = 0
-        return Message(RecordDict({"delta": wire.delta_record(update.delta),
+        update.metrics[MetricKey.BASE_VERSION] = 0
+        return Message(RecordDict({"delta": delta_record(update.delta),
                                    "metrics": update.metrics}), reply_to=msg)
 
     register_secagg(app, local)
@@ -141,7 +143,7 @@ def fedring_client_app(inputs: dict[int, tuple[np.ndarray, int]]) -> ClientApp:
 
 def model(d: int) -> tuple[np.ndarray, ArrayRecord]:
     params = np.zeros(d, np.float32)
-    return params, ArrayRecord({"w": wire.npy_array(params)})
+    return params, ArrayRecord({"w": npy_array(params)})
 
 
 # --------------------------------------------------------------------------- rounds
@@ -151,15 +153,15 @@ def plain_round(grid: InProcessGrid, nodes: list[int], d: int) -> float:
     params, arrays = model(d)
     pipe = Pipeline(Validate(), Weight("examples"), WeightedMean(), FedAvgStep())
     started = time.perf_counter()
-    config = ConfigRecord({"server-round": 1, wire.REPLY_KEY: "delta"})
+    config = ConfigRecord({"server-round": 1, ConfigKey.REPLY: "delta"})
     msgs = [Message(RecordDict({"arrays": arrays, "config": config}), n, "train", group_id="1")
             for n in nodes]
     agg = pipe.open_round(dim=d, version=0)
     for reply in grid.pull_messages(list(grid.push_messages(msgs))):
         m = reply.content["metrics"]
         agg.submit(Update(client_id=str(reply.metadata.src_node_id),
-                          delta=wire.read_delta(reply.content["delta"]),
-                          num_examples=int(m[wire.NUM_EXAMPLES]), base_version=0))
+                          delta=read_delta(reply.content["delta"]),
+                          num_examples=int(m[MetricKey.NUM_EXAMPLES]), base_version=0))
     pipe.apply(params, agg.finish())
     return time.perf_counter() - started
 
@@ -169,7 +171,7 @@ def fedring_round(grid: InProcessGrid, nodes: list[int], d: int,
     params, arrays = model(d)
     started = time.perf_counter()
     out = secure_round(grid, nodes=nodes, arrays=arrays,
-                       config=ConfigRecord({wire.SEED_KEY: 0, "server-round": rnd}),
+                       config=ConfigRecord({ConfigKey.SEED: 0, "server-round": rnd}),
                        settings=settings, weight_by="examples", dim=d, session=1, rnd=rnd,
                        timeout=3600.0, poll=0.001)
     if out.status != "completed":

@@ -28,9 +28,12 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
-from client import wire
 from client.compression import reply_record
 from client.flat_model import FlatModel
+from client.protocol.errors import WireError
+from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
+from client.protocol.npy import ReplyBuffers
+from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
 from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
 from client.training import evaluate, train, train_dp_sgd
@@ -48,7 +51,7 @@ class _Worker:
     model: FlatModel
     data: dict[int, tuple[torch.Tensor, torch.Tensor]]
     delta: np.ndarray  # reused for every reply's delta before it is serialised
-    replies: wire.ReplyBuffers = field(default_factory=wire.ReplyBuffers)  # in-process
+    replies: ReplyBuffers = field(default_factory=ReplyBuffers)  # in-process
     spans: list[tuple[str, slice]] = field(default_factory=list)  # each tensor in the flat
 
     def __post_init__(self) -> None:
@@ -76,7 +79,7 @@ def _first(content: RecordDict, kind: type, preferred: str) -> Any:
     for value in content.values():
         if isinstance(value, kind):
             return value
-    raise wire.WireError(f"message has no {kind.__name__}")
+    raise WireError(f"message has no {kind.__name__}")
 
 
 def training_seed(seed: int, server_round: int, partition_id: int) -> int:
@@ -110,10 +113,10 @@ class FedringClient:
         self._resolve_spec = resolve_spec
 
     def _worker(self, config: ConfigRecord, context: Context) -> _Worker:
-        raw = config.get(wire.TASK_KEY)
+        raw = config.get(ConfigKey.TASK)
         if raw is not None and not isinstance(raw, str):
-            raise wire.WireError(f"config '{wire.TASK_KEY}' must be a JSON string, got "
-                                 f"{type(raw).__name__}")
+            raise WireError(f"config '{ConfigKey.TASK}' must be a JSON string, got "
+                            f"{type(raw).__name__}")
         if isinstance(raw, str):
             key = raw
         else:
@@ -127,8 +130,8 @@ class FedringClient:
             try:
                 task = self._task_factory(json.loads(key))
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
-                raise wire.WireError(f"config '{wire.TASK_KEY}' is not a task this client can "
-                                     f"build: {exc}") from exc
+                raise WireError(f"config '{ConfigKey.TASK}' is not a task this client can "
+                                f"build: {exc}") from exc
             model = FlatModel(task.build_model())
             worker = _Worker(task=task, model=model, data={},
                              delta=np.empty(model.dim, dtype=np.float32))
@@ -138,7 +141,7 @@ class FedringClient:
 
     @staticmethod
     def _partition_id(context: Context) -> int:
-        pid = context.node_config.get("partition-id")
+        pid = context.node_config.get(NodeConfigKey.PARTITION_ID)
         if isinstance(pid, bool) or not isinstance(pid, int):
             raise ValueError("the node config needs an integer 'partition-id' "
                              "(e.g. flower-supernode --node-config 'partition-id=0')")
@@ -151,21 +154,21 @@ class FedringClient:
 
     def local_update(self, msg: Message, context: Context) -> LocalUpdate:
         """Load the sent model, train on this node's partition; the delta and its metrics."""
-        config = _first(msg.content, ConfigRecord, "config")
+        config = _first(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
         pid = self._partition_id(context)
         x, y = self._data(worker, pid)
-        record = _first(msg.content, ArrayRecord, "arrays")
+        record = _first(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
-        base = wire.model_views(record, model.layout)  # the global model, zero-copy
-        wire.flatten_model(base, model.layout, out=model.flat_np)
+        base = model_views(record, model.layout)  # the global model, zero-copy
+        flatten_model(base, model.layout, out=model.flat_np)
         global_params = None
         if worker.task.train_config.proximal_mu > 0:
             global_params = [torch.from_numpy(np.array(base[n], dtype=np.float32))
                              for n in model.layout.names]
-        server_round = _int_setting(config, "server-round")
+        server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
         seed = training_seed(worker.task.seed, server_round, pid)
-        metrics = MetricRecord({wire.NUM_EXAMPLES: len(x)})
+        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
         if worker.task.train_config.dp_sgd:
             loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
                                                            worker.task.train_config, seed=seed)
@@ -174,8 +177,8 @@ class FedringClient:
                          global_params=global_params)
         metrics["train_loss"] = loss
         # In-process, the delta is written straight into the buffer its reply will carry.
-        delta = (worker.replies.delta(model.dim) if context.node_config.get(wire.IN_PROCESS_KEY)
-                 else worker.delta)
+        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
+        delta = worker.replies.delta(model.dim) if in_process else worker.delta
         for name, span in worker.spans:
             np.subtract(model.flat_np[span], base[name].reshape(-1), out=delta[span])
         if worker.task.local_dp is not None:
@@ -192,30 +195,30 @@ class FedringClient:
         update = self.local_update(msg, context)
         config, metrics, delta, model = update.config, update.metrics, update.delta, update.model
         pid, base = update.partition_id, update.base
-        if config.get(wire.REPLY_KEY, "delta") != "delta":
-            raise wire.WireError(f"config '{wire.REPLY_KEY}' must be 'delta' when given, got "
-                                 f"{config[wire.REPLY_KEY]!r}")
-        if wire.REPLY_KEY in config:
-            metrics[wire.BASE_VERSION_METRIC] = _int_setting(config, wire.VERSION_KEY)
-            metrics[wire.PARTITION_METRIC] = pid
+        if config.get(ConfigKey.REPLY, REPLY_DELTA) != REPLY_DELTA:
+            raise WireError(f"config '{ConfigKey.REPLY}' must be 'delta' when given, got "
+                            f"{config[ConfigKey.REPLY]!r}")
+        if ConfigKey.REPLY in config:
+            metrics[MetricKey.BASE_VERSION] = _int_setting(config, ConfigKey.VERSION)
+            metrics[MetricKey.PARTITION] = pid
             name, record = reply_record(config, delta, context.state, pid)  # compressed?
-            content = RecordDict({name: record, "metrics": metrics})
+            content = RecordDict({name: record, RecordName.METRICS: metrics})
         else:  # Flower's convention: full weights (base + the possibly noised delta)
             weights = model.layout.flatten(base) + delta if update.noised else model.flat_np
-            content = RecordDict({"arrays": wire.model_record(model.layout, weights),
-                                  "metrics": metrics})
+            content = RecordDict({RecordName.ARRAYS: model_record(model.layout, weights),
+                                  RecordName.METRICS: metrics})
         return Message(content, reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
-        config = _first(msg.content, ConfigRecord, "config")
+        config = _first(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
         x, y = self._data(worker, self._partition_id(context))
         model = worker.model
-        wire.read_model(_first(msg.content, ArrayRecord, "arrays"), model.layout,
-                        out=model.flat_np)
+        read_model(_first(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout,
+                   out=model.flat_np)
         loss, acc = evaluate(model.module, x, y)
-        metrics = MetricRecord({wire.NUM_EXAMPLES: len(x), "eval_loss": loss, "eval_acc": acc})
-        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x), "eval_loss": loss, "eval_acc": acc})
+        return Message(RecordDict({RecordName.METRICS: metrics}), reply_to=msg)
 
 
 def make_client_app(task_factory: TaskFactory, resolve_spec: SpecResolver) -> ClientApp:
@@ -231,7 +234,7 @@ def make_client_app(task_factory: TaskFactory, resolve_spec: SpecResolver) -> Cl
 def _int_setting(config: ConfigRecord, key: str) -> int:
     value = config.get(key, 0)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise wire.WireError(f"config '{key}' must be an integer, got {value!r}")
+        raise WireError(f"config '{key}' must be an integer, got {value!r}")
     return value
 
 
@@ -241,7 +244,7 @@ def refuse_unusable_messages(msg: Message, context: Context,
     a protocol violation) gets an error reply naming the problem; the app does not fail."""
     try:
         return call_next(msg, context)
-    except (wire.WireError, ProtocolError) as exc:
+    except (WireError, ProtocolError) as exc:
         reason = f"{msg.metadata.message_type} message refused: {exc}"
         return Message(Error(MESSAGE_REFUSED, reason), reply_to=msg)
 

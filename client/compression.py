@@ -1,10 +1,8 @@
 """Client stage of update compression: encode the delta before it is uploaded.
 
-A fedring server that compresses uploads puts "fedring.compression" in the train config:
-the JSON of its ``[compression]`` section plus "run", a number naming the run (it seeds
-the shared pattern and binds the residual). The client then answers with the arrays of
-``aggregation.compression.RoundCodec.encode`` in a "compressed" ArrayRecord instead of
-the dense "delta"; without that entry it answers as before.
+When the train config holds a compression request (``client.protocol.compression``) the
+client answers with the arrays of ``aggregation.compression.RoundCodec.encode`` in a
+"compressed" ArrayRecord instead of the dense "delta"; without one it answers as before.
 
 Under secure aggregation the same request rides in the secure round's SETUP record, for
 top-k on a shared pattern only: :func:`select_shared` picks the round's ``k`` coordinates,
@@ -20,48 +18,17 @@ partition), so runs are reproducible.
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import asdict, dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from aggregation.compression import CompressionConfig, RoundCodec
-from client import wire
+from client.protocol.compression import CompressionRequest
+from client.protocol.keys import ConfigKey, RecordName
+from client.protocol.npy import npy_array, npy_view
+from client.protocol.updates import delta_record
 
-COMPRESSION_KEY = "fedring.compression"  # train config: JSON of [compression] and "run"
-RECORD = "compressed"  # reply: the ArrayRecord of the encoded delta
 RESIDUAL = "fedring.compression.residual"  # Context.state: ArrayRecord {"residual": ...}
 RESIDUAL_RUN = "fedring.compression.run"  # Context.state: ConfigRecord {"run": ...}
-
-
-@dataclass(frozen=True)
-class CompressionRequest:
-    """What the server asks for: its ``[compression]`` settings within one run."""
-
-    config: CompressionConfig
-    run: int
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self.config), "run": self.run}, sort_keys=True)
-
-    @classmethod
-    def from_config(cls, config: ConfigRecord) -> CompressionRequest | None:
-        """The request in a train config, None when there is none."""
-        raw = config.get(COMPRESSION_KEY)
-        if raw is None:
-            return None
-        try:
-            fields = json.loads(str(raw))
-            run = fields.pop("run")
-            if isinstance(run, bool) or not isinstance(run, int) or run < 0:
-                raise ValueError(f"run must be a non-negative integer, got {run!r}")
-            return cls(CompressionConfig(**fields), run)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise wire.WireError(f"bad '{COMPRESSION_KEY}' entry: {exc}") from exc
-
-    def codec(self, dim: int, rnd: int) -> RoundCodec:
-        return RoundCodec.for_round(self.config, dim, run=self.run, rnd=rnd)
 
 
 def rounding_seed(seed: int, rnd: int, partition_id: int) -> int:
@@ -76,12 +43,12 @@ def load_residual(state: RecordDict, run: int, dim: int) -> np.ndarray | None:
     if not (isinstance(owner, ConfigRecord) and owner.get("run") == run
             and isinstance(record, ArrayRecord) and "residual" in record):
         return None
-    residual = wire.npy_view(record["residual"])
+    residual = npy_view(record["residual"])
     return residual if residual.shape == (dim,) and residual.dtype == np.float32 else None
 
 
 def save_residual(state: RecordDict, run: int, residual: np.ndarray) -> None:
-    state[RESIDUAL] = ArrayRecord({"residual": wire.npy_array(residual)})
+    state[RESIDUAL] = ArrayRecord({"residual": npy_array(residual)})
     state[RESIDUAL_RUN] = ConfigRecord({"run": run})
 
 
@@ -95,7 +62,7 @@ def compress(delta: np.ndarray, request: CompressionRequest, rnd: int, state: Re
     arrays = codec.encode(u, rng)
     if feedback:
         save_residual(state, request.run, u - codec.decode(arrays))
-    return ArrayRecord({name: wire.npy_array(a) for name, a in arrays.items()})
+    return ArrayRecord({name: npy_array(a) for name, a in arrays.items()})
 
 
 def select_shared(delta: np.ndarray, request: CompressionRequest, rnd: int, state: RecordDict,
@@ -127,7 +94,7 @@ def reply_record(config: ConfigRecord, delta: np.ndarray, state: RecordDict,
     """(record name, record) of a delta reply: "compressed" if the server asks, else "delta"."""
     request = CompressionRequest.from_config(config)
     if request is None or not request.config.enabled:
-        return "delta", wire.delta_record(delta)
-    rnd = int(config.get("server-round", 0))
-    seed = rounding_seed(int(config.get(wire.SEED_KEY, 0)), rnd, partition_id)
-    return RECORD, compress(delta, request, rnd, state, np.random.default_rng(seed))
+        return RecordName.DELTA, delta_record(delta)
+    rnd = int(config.get(ConfigKey.SERVER_ROUND, 0))
+    seed = rounding_seed(int(config.get(ConfigKey.SEED, 0)), rnd, partition_id)
+    return RecordName.COMPRESSED, compress(delta, request, rnd, state, np.random.default_rng(seed))

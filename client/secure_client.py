@@ -16,7 +16,7 @@ clients, ``query.secagg`` with SETUP (and the staleness factor s(tau) in ``facto
 starts that buffer's session on the held delta, which is scaled by s(tau) on the client.
 
 With top-k on a shared pattern (``[compression] kind = "topk"``, ``shared_pattern``) the
-SETUP record adds the compression request (``client.compression.COMPRESSION_KEY``): the
+SETUP record adds the compression request (``ConfigKey.COMPRESSION``): the
 client quantizes and masks only the round's ``k`` coordinates (plus the weight), and
 keeps the rest in its error-feedback residual.
 
@@ -69,8 +69,19 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client import wire
-from client.compression import CompressionRequest, select_shared
+from client.compression import select_shared
+from client.protocol.compression import CompressionRequest
+from client.protocol.errors import WireError
+from client.protocol.keys import ConfigKey, MetricKey, NodeConfigKey, RecordName
+from client.protocol.npy import NPY_STYPE, npy_array, npy_view
+from client.protocol.secagg import (
+    REPLY_STAGE,
+    SETUP_SETTINGS,
+    SecAggAction,
+    SecAggKey,
+    SecAggRecord,
+    dropout_stage,
+)
 from privacy.dp import DistributedDPPlan, clip_l2, distributed_encode
 from privacy.dp.distributed import clip_l2_exact
 from privacy.secagg import DEFAULT_POLICY, ProtocolError, SecAggClient, SecAggPolicy, Stage
@@ -80,31 +91,9 @@ from privacy.secagg.params import word_dtype
 from privacy.secagg.quantize import contribution_clip, max_level, quantize_weighted_into
 from privacy.secagg.stages import MsgType
 
-SECAGG_ACTION = "secagg"  # message types "train.secagg" and "query.secagg"
-HOLD_ACTION = "secagg_hold"  # "train.secagg_hold": train, hold the delta, answer READY
-READY = "ready"  # the hold reply's entry: the model version the client trained from
 HELD = "fedring.secagg.held"  # Context.state: the held delta until its buffer's SETUP
-FACTOR = "factor"  # SETUP of a held delta: the staleness factor s(tau) in (0, 1]
-RECORD = "secagg"  # ConfigRecord of protocol bytes (and, in the first message, settings)
-MSG = "msg"
-VECTOR_RECORD = "secagg-vector"  # ArrayRecord holding the MASKED_INPUT message
-VECTOR = "masked"
 STATE = "fedring.secagg"  # Context.state: the session and its settings
 INPUT = "fedring.secagg.input"  # Context.state: the quantized input until it is masked
-# Settings in the first message's "secagg" record.
-RUN, ROUND, SCALE, CLIP, MAX_WEIGHT, WEIGHT_BY = ("run", "round", "scale", "clip-range",
-                                                 "max-weight", "weight-by")
-ROUNDING, DROPOUT, DROPOUT_STAGE = "rounding", "dropout", "dropout-stage"
-# Optional DP settings: central DP's clip norm (the client clips, the server noises the sum),
-# or distributed DP's round plan as JSON (privacy.dp.DistributedDPPlan + the rotation seed).
-DP_CLIP, DP_PLAN, ROTATION_SEED = "dp-clip", "dp-plan", "rotation_seed"
-
-STAGE_NAMES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
-#: The stage a client's reply to each server message belongs to.
-REPLY_STAGE = {MsgType.SETUP: Stage.ADVERTISE_KEYS, MsgType.PUBLIC_KEYS: Stage.SHARE_KEYS,
-               MsgType.FORWARDED_SHARES: Stage.MASKED_INPUT,
-               MsgType.UNMASK_REQUEST: Stage.UNMASKING}
-
 
 class InjectedDropout(RuntimeError):
     """A simulated client vanishing (``[secagg] dropout``): the server sees an error reply."""
@@ -124,30 +113,6 @@ class _Held:
 
     delta: np.ndarray
     metrics: MetricRecord
-
-
-def stage_of(name: str) -> Stage:
-    """The protocol stage named ``name`` (one of :data:`STAGE_NAMES`)."""
-    return Stage[name.upper()]
-
-
-def dropout_stage(seed: int, rnd: int, partition_id: int, dropout: float,
-                  stage: str) -> Stage | None:
-    """The stage from which a client vanishes in round ``rnd`` (None: it stays).
-
-    Deterministic in (seed, round, partition id), so every engine injects the same
-    dropouts: the client vanishes with probability ``dropout``, at ``stage`` or, when
-    that is "random", at a stage drawn uniformly from :data:`STAGE_NAMES`.
-    """
-    if dropout <= 0:
-        return None
-    digest = hashlib.sha256(f"fedring-secagg-dropout:{seed}:{rnd}:{partition_id}".encode())
-    raw = digest.digest()
-    if int.from_bytes(raw[:8], "little") / 2.0**64 >= dropout:
-        return None
-    if stage != "random":
-        return stage_of(stage)
-    return stage_of(STAGE_NAMES[int.from_bytes(raw[8:16], "little") % len(STAGE_NAMES)])
 
 
 def quantize_into(delta: np.ndarray, weight: float, *, clip_range: float, scale: float,
@@ -187,8 +152,8 @@ def _input_record(words: np.ndarray, context: Context) -> ArrayRecord:
     """The quantized input as the state keeps it until masking: in-process, the .npy buffer
     of :func:`_input_words` itself (copied there first if ``words`` lies elsewhere); else
     .npy bytes."""
-    if not context.node_config.get(wire.IN_PROCESS_KEY):
-        return ArrayRecord({"input": wire.npy_array(words)})
+    if not context.node_config.get(NodeConfigKey.IN_PROCESS):
+        return ArrayRecord({"input": npy_array(words)})
     base = words.base
     if not (isinstance(base, memoryview) and isinstance(base.obj, bytearray)
             and base[:6] == NPY_MAGIC and len(base) > words.nbytes):
@@ -196,7 +161,7 @@ def _input_record(words: np.ndarray, context: Context) -> ArrayRecord:
         np.copyto(pooled, words, casting="unsafe")
         words, base = pooled, pooled.base
     return _record("input", base, context, dtype=str(words.dtype), shape=words.shape,
-                   stype=wire.NPY_STYPE)
+                   stype=NPY_STYPE)
 
 
 def _record(name: str, data: bytes | memoryview, context: Context, *, dtype: str,
@@ -204,7 +169,7 @@ def _record(name: str, data: bytes | memoryview, context: Context, *, dtype: str
     """A one-Array record over ``data``: shared in-process, where it never leaves the
     process (no copy of d words), else copied into the ``bytes`` a transport needs."""
     record = ArrayRecord()
-    if not context.node_config.get(wire.IN_PROCESS_KEY) or isinstance(data, bytes):
+    if not context.node_config.get(NodeConfigKey.IN_PROCESS) or isinstance(data, bytes):
         record[name] = Array(dtype=dtype, shape=shape, stype=stype, data=bytes(data))
         return record
     arr = Array(dtype=dtype, shape=shape, stype=stype, data=b"")
@@ -214,10 +179,8 @@ def _record(name: str, data: bytes | memoryview, context: Context, *, dtype: str
 
 
 def _settings(record: ConfigRecord) -> dict[str, Any]:
-    keys = {RUN: int, ROUND: int, SCALE: float, CLIP: float, MAX_WEIGHT: float,
-            WEIGHT_BY: str, ROUNDING: str, DROPOUT: float, DROPOUT_STAGE: str}
     out: dict[str, Any] = {}
-    for key, kind in keys.items():
+    for key, kind in SETUP_SETTINGS.items():
         value = record.get(key)
         accepted = (int, float) if kind is float else (kind,)
         if isinstance(value, bool) or not isinstance(value, accepted):
@@ -230,20 +193,21 @@ def dp_settings(record: ConfigRecord) -> tuple[tuple[DistributedDPPlan, int] | N
                                                 float | None]:
     """The round's DP settings in a SETUP record: (distributed DP plan and rotation seed, or
     None; central DP's clip norm, or None)."""
-    raw, clip = record.get(DP_PLAN), record.get(DP_CLIP)
+    raw, clip = record.get(SecAggKey.DP_PLAN), record.get(SecAggKey.DP_CLIP)
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, int | float)
                              or not clip > 0):
-        raise ProtocolError(f"secagg setting '{DP_CLIP}' must be a number > 0, got {clip!r}")
+        raise ProtocolError(f"secagg setting '{SecAggKey.DP_CLIP}' must be a number > 0, "
+                            f"got {clip!r}")
     if raw is None:
         return None, None if clip is None else float(clip)
     try:
         values = json.loads(raw) if isinstance(raw, str) else None
-        seed = values.pop(ROTATION_SEED) if isinstance(values, dict) else None
+        seed = values.pop(SecAggKey.ROTATION_SEED) if isinstance(values, dict) else None
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"'{ROTATION_SEED}' must be an integer >= 0")
+            raise ValueError(f"'{SecAggKey.ROTATION_SEED}' must be an integer >= 0")
         plan = DistributedDPPlan.from_dict(values)
     except (ValueError, TypeError) as exc:
-        raise ProtocolError(f"secagg setting '{DP_PLAN}' is malformed: {exc}") from None
+        raise ProtocolError(f"secagg setting '{SecAggKey.DP_PLAN}' is malformed: {exc}") from None
     return (plan, seed), None
 
 
@@ -263,7 +227,7 @@ def shared_request(record: ConfigRecord) -> CompressionRequest | None:
     """The shared-pattern top-k request in a SETUP record (``COMPRESSION_KEY``), or None."""
     try:
         request = CompressionRequest.from_config(record)
-    except wire.WireError as exc:
+    except WireError as exc:
         raise ProtocolError(str(exc)) from None
     if request is not None and not (request.config.kind == "topk"
                                     and request.config.shared_pattern):
@@ -273,18 +237,23 @@ def shared_request(record: ConfigRecord) -> CompressionRequest | None:
 
 
 def _payload(msg: Message) -> bytes:
-    record = msg.content.get(RECORD)
-    value = record.get(MSG) if isinstance(record, ConfigRecord) else None
+    record = msg.content.get(SecAggRecord.PROTOCOL)
+    value = record.get(SecAggKey.MSG) if isinstance(record, ConfigRecord) else None
     if not isinstance(value, bytes):
         raise ProtocolError("message has no secure-aggregation payload")
     return value
 
 
+def _protocol_content(message: bytes | memoryview) -> RecordDict:
+    """A reply carrying one protocol message."""
+    return RecordDict({SecAggRecord.PROTOCOL: ConfigRecord({SecAggKey.MSG: bytes(message)})})
+
+
 def mask_threads(context: Context) -> int:
     """The threads this node quantizes and masks with: node config ``mask-threads``, else 1."""
-    value = context.node_config.get(wire.MASK_THREADS_KEY, 1)
+    value = context.node_config.get(NodeConfigKey.MASK_THREADS, 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"node config '{wire.MASK_THREADS_KEY}' must be an integer >= 1, "
+        raise ValueError(f"node config '{NodeConfigKey.MASK_THREADS}' must be an integer >= 1, "
                          f"got {value!r}")
     return value
 
@@ -311,7 +280,7 @@ def client_policy(context: Context) -> SecAggPolicy:
 
 
 def _partition(context: Context) -> int:
-    pid = context.node_config.get("partition-id")
+    pid = context.node_config.get(NodeConfigKey.PARTITION_ID)
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else int(context.node_id)
 
 
@@ -323,12 +292,13 @@ def _seed(seed: int, rnd: int, pid: int) -> int:
 def _rounded_clip(bound: float, dim: int, weight: float, s: dict[str, Any]) -> float:
     """Central DP: the L2 clip that keeps this client's decoded ``dim`` coordinates within
     ``bound`` after rounding at the SETUP's scale; ProtocolError if none can."""
-    level = max_level(s[CLIP], s[SCALE], s[MAX_WEIGHT])
-    clip = contribution_clip(bound, dim=dim, scale=s[SCALE], rounding=s[ROUNDING],
+    scale = s[SecAggKey.SCALE]
+    level = max_level(s[SecAggKey.CLIP], scale, s[SecAggKey.MAX_WEIGHT])
+    clip = contribution_clip(bound, dim=dim, scale=scale, rounding=s[SecAggKey.ROUNDING],
                              level=level, weight=weight)
     if not clip > 0:
-        raise ProtocolError(f"central DP: rounding {dim} coordinates at scale {s[SCALE]:g} "
-                            f"can move an update by more than {DP_CLIP} = {bound:g}")
+        raise ProtocolError(f"central DP: rounding {dim} coordinates at scale {scale:g} "
+                            f"can move an update by more than {SecAggKey.DP_CLIP} = {bound:g}")
     return clip
 
 
@@ -342,8 +312,8 @@ class SecureClient:
         """Train, quantize the weighted delta, keep it in the state; answer SETUP."""
         for key in (STATE, INPUT):  # a new round replaces any unfinished session
             context.state.pop(key, None)
-        config = msg.content.get("config")
-        seed = int(config.get(wire.SEED_KEY, 0)) if isinstance(config, ConfigRecord) else 0
+        config = msg.content.get(RecordName.CONFIG)
+        seed = int(config.get(ConfigKey.SEED, 0)) if isinstance(config, ConfigRecord) else 0
         return self._setup(msg, context, seed, lambda: self._local_update(msg, context))
 
     def hold(self, msg: Message, context: Context) -> Message:
@@ -351,14 +321,14 @@ class SecureClient:
         for key in (STATE, INPUT, HELD):
             context.state.pop(key, None)
         update = self._local_update(msg, context)
-        config = msg.content.get("config")
+        config = msg.content.get(RecordName.CONFIG)
         config = config if isinstance(config, ConfigRecord) else ConfigRecord()
-        meta = np.array([int(update.metrics[wire.NUM_EXAMPLES]),
-                         int(config.get(wire.SEED_KEY, 0))], dtype=np.int64)
-        context.state[HELD] = ArrayRecord({"delta": wire.npy_array(update.delta),
-                                           "meta": wire.npy_array(meta)})
-        ready = ConfigRecord({READY: int(config.get(wire.VERSION_KEY, 0))})
-        return Message(RecordDict({RECORD: ready}), reply_to=msg)
+        meta = np.array([int(update.metrics[MetricKey.NUM_EXAMPLES]),
+                         int(config.get(ConfigKey.SEED, 0))], dtype=np.int64)
+        context.state[HELD] = ArrayRecord({"delta": npy_array(update.delta),
+                                           "meta": npy_array(meta)})
+        ready = ConfigRecord({SecAggKey.READY: int(config.get(ConfigKey.VERSION, 0))})
+        return Message(RecordDict({SecAggRecord.PROTOCOL: ready}), reply_to=msg)
 
     def _setup_held(self, msg: Message, context: Context) -> Message:
         """Secure FedBuff: answer the buffer's SETUP with the held delta times s(tau)."""
@@ -367,29 +337,31 @@ class SecureClient:
             raise ProtocolError("SETUP for a held update, but this client holds none")
         for key in (STATE, INPUT, HELD):  # the held delta is used once
             context.state.pop(key, None)
-        factor = msg.content[RECORD].get(FACTOR)
+        factor = msg.content[SecAggRecord.PROTOCOL].get(SecAggKey.FACTOR)
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
-            raise ProtocolError(f"secagg setting '{FACTOR}' must be in (0, 1], got {factor!r}")
-        examples, seed = (int(x) for x in wire.npy_view(held["meta"]))
-        update = _Held(wire.npy_view(held["delta"]), MetricRecord({wire.NUM_EXAMPLES: examples}))
+            raise ProtocolError(f"secagg setting '{SecAggKey.FACTOR}' must be in (0, 1], "
+                                f"got {factor!r}")
+        examples, seed = (int(x) for x in npy_view(held["meta"]))
+        update = _Held(npy_view(held["delta"]), MetricRecord({MetricKey.NUM_EXAMPLES: examples}))
         return self._setup(msg, context, seed, lambda: update, float(factor))
 
     def _setup(self, msg: Message, context: Context, seed: int,
                local_update: Callable[[], HasDelta], factor: float = 1.0) -> Message:
         """Answer SETUP: quantize the weighted delta of ``local_update``, keep it, reply."""
         payload = _payload(msg)
-        s = _settings(msg.content[RECORD])
+        s = _settings(msg.content[SecAggRecord.PROTOCOL])
         pid = _partition(context)
-        drop = dropout_stage(seed, s[ROUND], pid, s[DROPOUT], s[DROPOUT_STAGE])
+        rnd = s[SecAggKey.ROUND]
+        drop = dropout_stage(seed, rnd, pid, s[SecAggKey.DROPOUT], s[SecAggKey.DROPOUT_STAGE])
         if drop is Stage.ADVERTISE_KEYS:
             raise InjectedDropout("simulated dropout at stage advertise_keys")
         setup = decode_setup(payload)[1]
-        session = SecAggClient(int(context.node_id), run_id=s[RUN], round_id=s[ROUND],
+        session = SecAggClient(int(context.node_id), run_id=s[SecAggKey.RUN], round_id=rnd,
                                policy=client_policy(context))
         reply = session.handle(payload)  # refuses a session below policy before training
         update = local_update()
-        distributed, dp_clip = dp_settings(msg.content[RECORD])
-        sparse = shared_request(msg.content[RECORD])
+        distributed, dp_clip = dp_settings(msg.content[SecAggRecord.PROTOCOL])
+        sparse = shared_request(msg.content[SecAggRecord.PROTOCOL])
         if distributed is not None:  # distributed DP: integer noise, then masking
             if sparse is not None:
                 raise ProtocolError("a shared top-k pattern does not combine with distributed DP")
@@ -401,31 +373,32 @@ class SecureClient:
         else:
             delta = update.delta
             if sparse is not None:  # top-k on the round's shared pattern: k values are masked
-                delta = select_shared(delta, sparse, s[ROUND], context.state, s[CLIP])
+                delta = select_shared(delta, sparse, rnd, context.state, s[SecAggKey.CLIP])
             if setup.dim != delta.size + 1:
                 raise ProtocolError(f"SETUP announces {setup.dim} words, the update has "
                                     f"{delta.size} coordinates plus the weight")
-            examples = float(update.metrics[wire.NUM_EXAMPLES])
-            weight = 1.0 if s[WEIGHT_BY] == "uniform" else min(examples, s[MAX_WEIGHT])
+            examples = float(update.metrics[MetricKey.NUM_EXAMPLES])
+            weight = (1.0 if s[SecAggKey.WEIGHT_BY] == "uniform"
+                      else min(examples, s[SecAggKey.MAX_WEIGHT]))
             if dp_clip is not None:
                 delta = clip_l2(delta, _rounded_clip(dp_clip, delta.size, weight, s))[0]
             quantized = _input_words(setup.dim, setup.bits)  # a reused .npy buffer
             rng = None  # rounding to nearest draws nothing
-            if s[ROUNDING] == "stochastic":  # under DP the server must not know the draws
+            if s[SecAggKey.ROUNDING] == "stochastic":  # under DP the server must not know the draws
                 rng = (np.random.default_rng() if dp_clip is not None
-                       else np.random.default_rng(_seed(seed, s[ROUND], pid)))
-            quantize_into(delta, weight, clip_range=s[CLIP], scale=s[SCALE],
-                          max_weight=s[MAX_WEIGHT], rounding=s[ROUNDING], out=quantized,
-                          rng=rng, factor=factor, threads=mask_threads(context))
+                       else np.random.default_rng(_seed(seed, rnd, pid)))
+            quantize_into(delta, weight, clip_range=s[SecAggKey.CLIP], scale=s[SecAggKey.SCALE],
+                          max_weight=s[SecAggKey.MAX_WEIGHT], rounding=s[SecAggKey.ROUNDING],
+                          out=quantized, rng=rng, factor=factor, threads=mask_threads(context))
         context.state[INPUT] = _input_record(quantized, context)
         self._save(context, session, s, seed, pid, drop)
-        content = RecordDict({RECORD: ConfigRecord({MSG: bytes(reply)})})
+        content = _protocol_content(reply)
         if distributed is None and "train_loss" in update.metrics:
             # the training loss, as plain rounds report it; never under distributed DP,
             # whose guarantee holds against the server
-            content["metrics"] = MetricRecord({
+            content[RecordName.METRICS] = MetricRecord({
                 "train_loss": float(update.metrics["train_loss"]),
-                wire.NUM_EXAMPLES: update.metrics[wire.NUM_EXAMPLES]})
+                MetricKey.NUM_EXAMPLES: update.metrics[MetricKey.NUM_EXAMPLES]})
         return Message(content, reply_to=msg)
 
     def query(self, msg: Message, context: Context) -> Message:
@@ -437,7 +410,7 @@ class SecureClient:
         stored = context.state.get(STATE)
         if not isinstance(stored, ConfigRecord) or kind not in REPLY_STAGE:
             raise ProtocolError(f"no secure-aggregation session for a {kind.name} message")
-        drop = stored.get(DROPOUT_STAGE)
+        drop = stored.get(SecAggKey.DROPOUT_STAGE)
         stage = REPLY_STAGE[kind]
         if isinstance(drop, int) and not isinstance(drop, bool) and 0 <= drop <= stage:
             raise InjectedDropout(f"simulated dropout at stage {Stage(drop).name.lower()}")
@@ -447,15 +420,15 @@ class SecureClient:
             record = context.state.get(INPUT)
             if not isinstance(record, ArrayRecord) or "input" not in record:
                 raise ProtocolError("the quantized input of this round is gone")
-            session.set_input(wire.npy_view(record["input"]))
+            session.set_input(npy_view(record["input"]))
         reply = session.handle(payload)
         if kind is MsgType.FORWARDED_SHARES:
             del context.state[INPUT]
-            vector = _record(VECTOR, reply, context, dtype="uint8", shape=(len(reply),),
+            vector = _record(SecAggKey.VECTOR, reply, context, dtype="uint8", shape=(len(reply),),
                              stype="bytes")
-            content = RecordDict({VECTOR_RECORD: vector})
+            content = RecordDict({SecAggRecord.VECTOR: vector})
         else:
-            content = RecordDict({RECORD: ConfigRecord({MSG: bytes(reply)})})
+            content = _protocol_content(reply)
         if kind is MsgType.UNMASK_REQUEST:
             del context.state[STATE]  # the session is over: its keys go with it
         else:
@@ -466,15 +439,15 @@ class SecureClient:
     def _save(context: Context, session: SecAggClient, s: dict[str, Any], seed: int, pid: int,
               drop: Stage | None) -> None:
         context.state[STATE] = ConfigRecord({
-            "state": session.export_state(), ROUND: s[ROUND], "seed": seed, "partition": pid,
-            DROPOUT_STAGE: -1 if drop is None else int(drop)})
+            "state": session.export_state(), SecAggKey.ROUND: s[SecAggKey.ROUND], "seed": seed,
+            "partition": pid, SecAggKey.DROPOUT_STAGE: -1 if drop is None else int(drop)})
 
 
 def register_secagg(app: ClientApp, local_update: LocalUpdateFn) -> SecureClient:
     """Route ``train.secagg``, ``train.secagg_hold`` and ``query.secagg`` messages of ``app``
     to a SecureClient."""
     client = SecureClient(local_update)
-    app.train(SECAGG_ACTION)(client.train)
-    app.train(HOLD_ACTION)(client.hold)
-    app.query(SECAGG_ACTION)(client.query)
+    app.train(SecAggAction.SECAGG)(client.train)
+    app.train(SecAggAction.HOLD)(client.hold)
+    app.query(SecAggAction.SECAGG)(client.query)
     return client

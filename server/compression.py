@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from aggregation.compression import CompressionConfig, RoundCodec
-from client.compression import CompressionRequest
+from client.protocol.compression import CompressionRequest
 from privacy.secagg import max_scale
 from privacy.secagg.quantize import max_level
 from server.secagg_config import SecAggScenarioConfig, max_round_size
@@ -127,7 +127,7 @@ class ReplyCompression:
         return cls(config) if config.enabled and not secure else None
 
     def request(self, run_id: str) -> str:
-        """The train config entry (``client.compression.COMPRESSION_KEY``) of a run."""
+        """The train config entry (``client.protocol.keys.ConfigKey.COMPRESSION``) of a run."""
         return CompressionRequest(self.config, session_number(run_id)).to_json()
 
     def codec(self, run_id: str, rnd: int, dim: int) -> RoundCodec:

@@ -42,20 +42,18 @@ from typing import Any, Protocol
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from client import wire
-from client.silo_app import (
-    AGGREGATE_RECORD,
+from client.protocol.errors import WireError
+from client.protocol.keys import MetricKey
+from client.protocol.ring import (
     CROSS_SILO_ACTION,
-    FAILED_KEY,
-    MAX_NORM_KEY,
-    NORM_METRIC,
-    RESULT_RECORD,
-    RING_RECORD,
-    STATUS_OK,
-    WEIGHT_BY_KEY,
-    WEIGHT_METRIC,
+    RingKey,
+    RingMetric,
+    RingRecord,
+    RingSpec,
+    RingStatus,
+    aggregate_digest,
 )
-from client.silo_ring import RingSpec, aggregate_digest
+from client.protocol.updates import read_delta
 from server.cohort import draw_cohort
 from server.config import AggregationConfig
 from server.cross_silo_config import SiloConfig
@@ -98,10 +96,10 @@ def decode_reply(node: int, rank: int, reply: Message | None,
     if reply.has_error():
         return SiloReply(node, rank, ERROR, f"silo error {reply.error.code}: "
                                             f"{_first_line(reply.error.reason)}")
-    result = reply.content.get(RESULT_RECORD)
+    result = reply.content.get(RingRecord.RESULT)
     metrics = reply.content.get("metrics")
     if not isinstance(result, ConfigRecord) or not isinstance(metrics, MetricRecord):
-        return SiloReply(node, rank, ERROR, f"reply lacks '{RESULT_RECORD}' or metrics")
+        return SiloReply(node, rank, ERROR, f"reply lacks '{RingRecord.RESULT}' or metrics")
     numbers = {k: float(v) for k, v in metrics.items()
                if isinstance(v, int | float) and not isinstance(v, bool)}
     out = SiloReply(node, rank, str(result.get("status", ERROR)),
@@ -109,29 +107,29 @@ def decode_reply(node: int, rank: int, reply: Message | None,
                     digest=str(result.get("digest", "")),
                     total_weight=float(result.get("total-weight", 0.0)),
                     count=int(result.get("count", 0)), ring_s=float(result.get("ring-s", 0.0)),
-                    weight=numbers.get(WEIGHT_METRIC), norm=numbers.get(NORM_METRIC),
+                    weight=numbers.get(RingMetric.WEIGHT), norm=numbers.get(RingMetric.NORM),
                     metrics=numbers)
-    examples = metrics.get(wire.NUM_EXAMPLES)
+    examples = metrics.get(MetricKey.NUM_EXAMPLES)
     out.num_examples = int(examples) if isinstance(examples, int | float) else None
-    failed = result.get(FAILED_KEY, [])
+    failed = result.get(RingKey.FAILED, [])
     if not isinstance(failed, list) or any(isinstance(v, bool) or not isinstance(v, int)
                                            for v in failed):
-        out.status, out.reason = ERROR, f"'{FAILED_KEY}' is not a list of node ids"
+        out.status, out.reason = ERROR, f"'{RingKey.FAILED}' is not a list of node ids"
         return out
     out.failed = tuple(failed)
     peers = result.get("peers", [])
     if isinstance(peers, list):
         out.peers = tuple(int(p) for p in peers if isinstance(p, int) and not isinstance(p, bool))
-    if out.status == STATUS_OK and rank == 0:
-        record = reply.content.get(AGGREGATE_RECORD)
+    if out.status == RingStatus.OK and rank == 0:
+        record = reply.content.get(RingRecord.AGGREGATE)
         try:
             if not isinstance(record, ArrayRecord):
-                raise wire.WireError(f"ring rank 0's reply lacks '{AGGREGATE_RECORD}'")
-            raw = wire.read_delta(record)
+                raise WireError(f"ring rank 0's reply lacks '{RingRecord.AGGREGATE}'")
+            raw = read_delta(record)
             if words is not None and raw.dtype != words:
-                raise wire.WireError(f"the masked sum has {raw.dtype} words, expected {words}")
+                raise WireError(f"the masked sum has {raw.dtype} words, expected {words}")
             out.aggregate = np.array(raw, dtype=words or np.float32)
-        except wire.WireError as exc:
+        except WireError as exc:
             out.status, out.reason = ERROR, f"bad aggregate: {exc}"
     return out
 
@@ -177,7 +175,7 @@ class CrossSiloOutcome:
 
     def metrics(self) -> dict[str, float]:
         """The ring's figures for the round's metrics."""
-        replied = [s for s in self.silos if s.status == STATUS_OK]
+        replied = [s for s in self.silos if s.status == RingStatus.OK]
         out = {"ring_silos": float(len(self.order)), "ring_failed": float(not self.completed),
                "ring_excluded": float(len(self.blamed))}
         if self.completed:
@@ -202,7 +200,7 @@ def judge(order: list[int], replies: dict[int, Message], dim: int,
                         "rendezvous and no peer blames it, so it is not excluded")
         elif s.status in (MISSING, ERROR):
             outcome.blamed[s.node] = f"{s.reason} (ring rank {s.rank})"
-    failed = [s for s in silos if s.status != STATUS_OK]
+    failed = [s for s in silos if s.status != RingStatus.OK]
     if failed:
         first = next((s for s in failed if s.status not in (MISSING, ERROR)), failed[0])
         outcome.failure = (f"{len(failed)} of {len(silos)} silo(s) failed; ring rank "
@@ -321,9 +319,9 @@ class CrossSiloRounds(RoundSource):
         """Each silo's training message: the model, its config and its place in the ring."""
         config = self.ctx.train_config(rnd)
         arrays = self.ctx.model_record()
-        rings = self.ring_records(run_id, rnd, order,
-                                  **{WEIGHT_BY_KEY: self.weight_by, MAX_NORM_KEY: self.max_norm})
-        return [Message(RecordDict({"arrays": arrays, "config": config, RING_RECORD: ring}),
+        rings = self.ring_records(run_id, rnd, order, **{RingKey.WEIGHT_BY: self.weight_by,
+                                                         RingKey.MAX_NORM: self.max_norm})
+        return [Message(RecordDict({"arrays": arrays, "config": config, RingRecord.SPEC: ring}),
                         node, f"train.{CROSS_SILO_ACTION}", group_id=str(rnd))
                 for node, ring in zip(order, rings, strict=True)]
 
@@ -334,7 +332,7 @@ class CrossSiloRounds(RoundSource):
         assert self.rendezvous is not None
         out = set()
         for m in messages:
-            ring = m.content[RING_RECORD]
+            ring = m.content[RingRecord.SPEC]
             store = dist.PrefixStore(str(ring["prefix"]), self.rendezvous.store)
             if store.check([f"joined/{ring['rank']}"]):
                 out.add(m.metadata.dst_node_id)
@@ -359,8 +357,8 @@ class CrossSiloRounds(RoundSource):
             nonlocal failed_at
             replies[node_of[msg_id]] = reply
             self.ctx.reporter.client_done(rnd, len(replies), len(messages))
-            result = None if reply.has_error() else reply.content.get(RESULT_RECORD)
-            if not isinstance(result, ConfigRecord) or result.get("status") != STATUS_OK:
+            result = None if reply.has_error() else reply.content.get(RingRecord.RESULT)
+            if not isinstance(result, ConfigRecord) or result.get("status") != RingStatus.OK:
                 if failed_at is None:
                     failed_at = time.monotonic()
                 peers = result.get("peers", []) if isinstance(result, ConfigRecord) else []

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from client import secure_client as sc
-from client.silo_app import BITS_KEY, CROSS_SILO_ACTION, RING_RECORD
+from client.protocol.ring import CROSS_SILO_ACTION, RingKey, RingRecord
+from client.protocol.secagg import SecAggKey, SecAggRecord
 from privacy.secagg import SecAggServer
 from server.cross_silo import CrossSiloOutcome, CrossSiloRounds, judge
 from server.rounds import RoundResult
@@ -61,10 +61,10 @@ class RingStage:
                             "revealed")
             return
         rings = self.rounds.ring_records(self.run_id, self.rnd, members,
-                                         **{BITS_KEY: session.config.bits})
-        messages = [Message(RecordDict({sc.RECORD: ConfigRecord({sc.MSG: outbox[node]}),
-                                        RING_RECORD: ring}),
-                            node, f"query.{CROSS_SILO_ACTION}", group_id=str(self.rnd))
+                                         **{RingKey.BITS: session.config.bits})
+        messages = [Message(RecordDict({
+            SecAggRecord.PROTOCOL: ConfigRecord({SecAggKey.MSG: outbox[node]}),
+            RingRecord.SPEC: ring}), node, f"query.{CROSS_SILO_ACTION}", group_id=str(self.rnd))
                     for node, ring in zip(members, rings, strict=True)]
         replies = self.rounds.collect_ring(self.rnd, messages)
         outcome = judge(members, replies, session.config.dim, words=session.config.word_dtype,

@@ -41,8 +41,8 @@ import numpy as np
 from flwr.app import Message, RecordDict
 
 from aggregation import Pipeline, Update, Verdict, WeightedMean
-from client import secure_client, wire
-from client.compression import COMPRESSION_KEY
+from client.protocol.errors import WireError
+from client.protocol.secagg import SecAggAction
 from server.compression import ReplyCompression
 from server.inflight import Event, InFlight
 from server.replies import decode_train_reply
@@ -151,11 +151,11 @@ class FedBuffRounds(RoundSource):
         chosen = sorted(candidates[int(i)] for i in picks)
         if state.version not in self._bases:
             self._bases[state.version] = state.params.copy()
-        config = ctx.train_config(state.version + 1)
-        if self.compression is not None:  # compressed uploads, decoded per task in _process
-            config[COMPRESSION_KEY] = self.compression.request(self._run_id)
+        config = ctx.train_config(  # compressed uploads are decoded per task in _process
+            state.version + 1, compression=None if self.compression is None
+            else self.compression.request(self._run_id))
         content = RecordDict({"arrays": ctx.model_record(), "config": config})
-        kind = "train" if self.secure is None else f"train.{secure_client.HOLD_ACTION}"
+        kind = "train" if self.secure is None else f"train.{SecAggAction.HOLD}"
         self.inflight.push([Message(content, node, kind, group_id=str(state.version))
                             for node in chosen], state.version)
 
@@ -201,14 +201,14 @@ class FedBuffRounds(RoundSource):
         try:
             sender = ev.reply.metadata.src_node_id
             if sender != task.node:
-                raise wire.WireError(f"reply to the message sent to node {task.node} says it "
+                raise WireError(f"reply to the message sent to node {task.node} says it "
                                      f"comes from node {sender}")
             codec = None if self.compression is None else self.compression.codec(
                 self._run_id, task.base_version + 1, ctx.layout.dim)  # its "server-round"
             update = decode_train_reply(ev.reply, client_id=client_id, layout=ctx.layout,
                                         base_params=self._bases[task.base_version],
                                         version=task.base_version, codec=codec)
-        except wire.WireError as exc:
+        except WireError as exc:
             self._records.append(update_record(buffer.reject(client_id, str(exc))))
             ctx.reporter.message(f"version {ctx.state.version}: rejected client "
                                  f"{client_id}: {exc}")

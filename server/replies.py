@@ -9,21 +9,23 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 
 from aggregation import Layout, Update
 from aggregation.compression import RoundCodec
-from client import wire
-from client.compression import RECORD
+from client.protocol.errors import WireError
+from client.protocol.keys import MetricKey, RecordName
+from client.protocol.npy import npy_view
+from client.protocol.updates import read_delta, read_model
 
 _INT64_MAX = 2**63 - 1
 
 
 def _count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise wire.WireError(f"num-examples must be a positive integer, got {value!r}")
+        raise WireError(f"num-examples must be a positive integer, got {value!r}")
     if isinstance(value, float) and not value.is_integer():
-        raise wire.WireError(f"num-examples must be a positive integer, got {value!r}")
+        raise WireError(f"num-examples must be a positive integer, got {value!r}")
     if value <= 0:
-        raise wire.WireError(f"num-examples must be a positive integer, got {value!r}")
+        raise WireError(f"num-examples must be a positive integer, got {value!r}")
     if value > _INT64_MAX:
-        raise wire.WireError(f"num-examples {value!r} does not fit an int64")
+        raise WireError(f"num-examples {value!r} does not fit an int64")
     return int(value)
 
 
@@ -39,7 +41,7 @@ def _scalar_metrics(metrics: MetricRecord) -> dict[str, float]:
         except OverflowError:  # an int beyond float64
             number = math.inf
         if not math.isfinite(number):
-            raise wire.WireError(f"metric '{key}' is not a finite number: {repr(value)[:40]}")
+            raise WireError(f"metric '{key}' is not a finite number: {repr(value)[:40]}")
         out[key] = number
     return out
 
@@ -47,17 +49,18 @@ def _scalar_metrics(metrics: MetricRecord) -> dict[str, float]:
 def decode_compressed(record: object, codec: RoundCodec | None) -> np.ndarray:
     """The dense delta of a "compressed" reply record, checked against the round's codec."""
     if codec is None:
-        raise wire.WireError("reply is compressed, but this run does not compress updates")
+        raise WireError("reply is compressed, but this run does not compress updates")
     if not isinstance(record, ArrayRecord):
-        raise wire.WireError(f"'{RECORD}' is a {type(record).__name__}, expected an ArrayRecord")
+        raise WireError(f"'{RecordName.COMPRESSED}' is a {type(record).__name__}, expected an "
+                        "ArrayRecord")
     if set(record.keys()) != set(codec.names):
-        raise wire.WireError(f"compressed reply has arrays {sorted(record.keys())}, expected "
-                             f"{sorted(codec.names)} ({codec.config.kind})")
-    arrays = {name: wire.npy_view(record[name]) for name in codec.names}
+        raise WireError(f"compressed reply has arrays {sorted(record.keys())}, expected "
+                        f"{sorted(codec.names)} ({codec.config.kind})")
+    arrays = {name: npy_view(record[name]) for name in codec.names}
     try:
         return codec.decode(arrays)
     except ValueError as exc:
-        raise wire.WireError(f"malformed compressed update: {exc}") from exc
+        raise WireError(f"malformed compressed update: {exc}") from exc
 
 
 def decode_train_reply(reply: Message, *, client_id: str, layout: Layout,
@@ -67,43 +70,44 @@ def decode_train_reply(reply: Message, *, client_id: str, layout: Layout,
 
     ``version`` is the model version this client was sent; a delta reply must say it
     trained from that version. ``codec``: the round's compression, when the server asked
-    for compressed deltas (a dense delta is accepted too). Raises ``wire.WireError`` with
+    for compressed deltas (a dense delta is accepted too). Raises ``WireError`` with
     the reason when the reply cannot be decoded.
     """
     if reply.has_error():
-        raise wire.WireError(f"client error {reply.error.code}: {reply.error.reason}")
+        raise WireError(f"client error {reply.error.code}: {reply.error.reason}")
     kind = reply.metadata.message_type
     if kind.split(".")[0] != "train":
-        raise wire.WireError(f"reply has message type {kind!r}, expected a 'train' reply")
+        raise WireError(f"reply has message type {kind!r}, expected a 'train' reply")
     content = reply.content
     metric_records = [v for v in content.values() if isinstance(v, MetricRecord)]
     if len(metric_records) != 1:
-        raise wire.WireError(f"reply has {len(metric_records)} metric records, expected 1")
+        raise WireError(f"reply has {len(metric_records)} metric records, expected 1")
     metrics = metric_records[0]
-    if wire.NUM_EXAMPLES not in metrics:
-        raise wire.WireError("reply metrics lack 'num-examples'")
-    num_examples = _count(metrics[wire.NUM_EXAMPLES])
+    if MetricKey.NUM_EXAMPLES not in metrics:
+        raise WireError("reply metrics lack 'num-examples'")
+    num_examples = _count(metrics[MetricKey.NUM_EXAMPLES])
     extra = _scalar_metrics(metrics)
-    if "delta" in content or RECORD in content:
-        name = "delta" if "delta" in content else RECORD
+    dense, compressed = RecordName.DELTA, RecordName.COMPRESSED
+    if dense in content or compressed in content:
+        name = dense if dense in content else compressed
         unexpected = sorted(k for k, v in content.items() if k != name and v is not metrics)
         if unexpected:
-            raise wire.WireError(f"{name} reply has unexpected records {unexpected}")
-        delta = (wire.read_delta(content["delta"]) if name == "delta"
-                 else decode_compressed(content[RECORD], codec))
-        base = metrics.get(wire.BASE_VERSION_METRIC)
+            raise WireError(f"{name} reply has unexpected records {unexpected}")
+        delta = (read_delta(content[dense]) if name == dense
+                 else decode_compressed(content[compressed], codec))
+        base = metrics.get(MetricKey.BASE_VERSION)
         if not isinstance(base, int) or isinstance(base, bool):
-            raise wire.WireError("delta reply lacks an integer 'fedring.base-version'")
+            raise WireError("delta reply lacks an integer 'fedring.base-version'")
         if base != version:
-            raise wire.WireError(f"reply says it trained from model version {base}, but the "
-                                 f"client was sent version {version}")
+            raise WireError(f"reply says it trained from model version {base}, but the "
+                            f"client was sent version {version}")
         return Update(client_id=client_id, delta=delta, num_examples=num_examples,
                       base_version=base, metrics=extra)
     array_records = [v for v in content.values() if isinstance(v, ArrayRecord)]
     if len(array_records) != 1:
-        raise wire.WireError(f"reply has {len(array_records)} array records, expected 1 "
-                             "(full weights) or a 'delta'")
-    weights = wire.read_model(array_records[0], layout, out=np.empty(layout.dim, np.float32))
+        raise WireError(f"reply has {len(array_records)} array records, expected 1 "
+                        "(full weights) or a 'delta'")
+    weights = read_model(array_records[0], layout, out=np.empty(layout.dim, np.float32))
     weights -= base_params
     return Update(client_id=client_id, delta=weights, num_examples=num_examples,
                   base_version=version, metrics=extra)

@@ -20,7 +20,8 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
 from aggregation import Layout, Pipeline, Verdict
-from client import wire
+from client.protocol.train import train_config
+from client.protocol.updates import model_record
 from server.clock import Clock, WallClock
 from server.config import FederationConfig
 from server.driver_config import DriverConfig
@@ -68,15 +69,15 @@ class RunContext:
         self.state = RunState(params=params)
         self.task_json = json.dumps(task.task_spec(), sort_keys=True)
 
-    def train_config(self, server_round: int) -> ConfigRecord:
-        """The config every training message carries: round, model version, task, seed."""
-        return ConfigRecord({"server-round": server_round, wire.VERSION_KEY: self.state.version,
-                             wire.REPLY_KEY: "delta", wire.TASK_KEY: self.task_json,
-                             wire.SEED_KEY: self.seed})
+    def train_config(self, server_round: int, compression: str | None = None) -> ConfigRecord:
+        """The config every training message carries: round, model version, task, seed and
+        the compression request (``client.protocol.train.train_config``)."""
+        return train_config(server_round, self.state.version, self.task_json, self.seed,
+                            compression=compression)
 
     def model_record(self) -> ArrayRecord:
         """The current model as the ``arrays`` record of a training message."""
-        return wire.model_record(self.layout, self.state.params)
+        return model_record(self.layout, self.state.params)
 
     def resume_clock(self) -> None:
         """A resumed run's simulated clock goes on from its last recorded round."""

@@ -22,7 +22,7 @@ delta, and the server learns only the sum over the round's survivors (see
   ``rounding``: "nearest" or "stochastic" (unbiased);
 - ``dropout`` (simulations): each participating client vanishes with this probability,
   at ``dropout_stage`` ("random", or advertise_keys, share_keys, masked_input or
-  unmasking), decided by ``client.secure_client.dropout_stage``.
+  unmasking), decided by ``client.protocol.secagg.dropout_stage``.
 
 The settings can only be as strict as ``privacy.secagg.policy`` or stricter: weaker
 ones fail at start naming the key and its minimum, and every client checks the session
@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from client.secure_client import STAGE_NAMES
+from client.protocol.secagg import STAGE_NAMES
 from privacy.secagg import check_headroom, default_k, default_threshold, max_scale
 from privacy.secagg.policy import (
     DEFAULT_CORRUPT_FRACTION,

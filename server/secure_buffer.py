@@ -29,7 +29,7 @@ from dataclasses import replace
 from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from client import secure_client as sc
+from client.protocol.secagg import SecAggKey, SecAggRecord
 from server.secure_round import SecureRoundOutcome, SecureSettings, secure_round, session_id
 from server.store import UpdateRecord
 
@@ -83,8 +83,8 @@ class SecureBuffer:
         if reply.metadata.src_node_id != node:
             return rejected(f"reply to the message sent to node {node} says it comes from "
                             f"node {reply.metadata.src_node_id}")
-        record = reply.content.get(sc.RECORD)
-        version = record.get(sc.READY) if isinstance(record, ConfigRecord) else None
+        record = reply.content.get(SecAggRecord.PROTOCOL)
+        version = record.get(SecAggKey.READY) if isinstance(record, ConfigRecord) else None
         if isinstance(version, bool) or version != base_version:
             return rejected(f"not a ready notice for model version {base_version} (secure "
                             f"FedBuff): got {version!r}")

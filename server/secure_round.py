@@ -51,9 +51,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from client import secure_client as sc
-from client import wire
-from client.compression import COMPRESSION_KEY
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize_weighted
 from privacy.secagg.quantize import contribution_clip, decode_error_l2, max_level
@@ -147,11 +146,11 @@ def _first_line(text: str, limit: int = 300) -> str:
 
 def _payload(reply: Message) -> bytes:
     content = reply.content
-    vector = content.get(sc.VECTOR_RECORD)
-    if isinstance(vector, ArrayRecord) and sc.VECTOR in vector:
-        return vector[sc.VECTOR].data
-    record = content.get(sc.RECORD)
-    value = record.get(sc.MSG) if isinstance(record, ConfigRecord) else None
+    vector = content.get(SecAggRecord.VECTOR)
+    if isinstance(vector, ArrayRecord) and SecAggKey.VECTOR in vector:
+        return vector[SecAggKey.VECTOR].data
+    record = content.get(SecAggRecord.PROTOCOL)
+    value = record.get(SecAggKey.MSG) if isinstance(record, ConfigRecord) else None
     return value if isinstance(value, bytes) else b""
 
 
@@ -160,7 +159,7 @@ def _reported_loss(reply: Message) -> tuple[float, float] | None:
     metrics = reply.content.get("metrics")
     if not isinstance(metrics, MetricRecord) or "train_loss" not in metrics:
         return None
-    loss, examples = metrics["train_loss"], metrics.get(wire.NUM_EXAMPLES, 1)
+    loss, examples = metrics["train_loss"], metrics.get(MetricKey.NUM_EXAMPLES, 1)
     if not isinstance(loss, int | float) or not isinstance(examples, int | float):
         return None
     return float(loss), float(examples)
@@ -223,31 +222,33 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     server = SecAggServer(SecAggConfig.create(participants, words, bits=settings.bits, k=k,
                                               t=t, run_id=session, round_id=rnd),
                           settings.policy)
-    setup = ConfigRecord({sc.RUN: session, sc.ROUND: rnd, sc.SCALE: scale,
-                          sc.CLIP: settings.clip_range, sc.MAX_WEIGHT: cap,
-                          sc.WEIGHT_BY: weight_by, sc.ROUNDING: settings.rounding,
-                          sc.DROPOUT: settings.dropout,
-                          sc.DROPOUT_STAGE: settings.dropout_stage})
+    setup = ConfigRecord({SecAggKey.RUN: session, SecAggKey.ROUND: rnd, SecAggKey.SCALE: scale,
+                          SecAggKey.CLIP: settings.clip_range, SecAggKey.MAX_WEIGHT: cap,
+                          SecAggKey.WEIGHT_BY: weight_by, SecAggKey.ROUNDING: settings.rounding,
+                          SecAggKey.DROPOUT: settings.dropout,
+                          SecAggKey.DROPOUT_STAGE: settings.dropout_stage})
     rotation_seed = secrets.randbits(63) if plan is not None else 0  # public, fresh per round
     if plan is not None:
-        setup[sc.DP_PLAN] = json.dumps({**plan.to_dict(), sc.ROTATION_SEED: rotation_seed})
+        setup[SecAggKey.DP_PLAN] = json.dumps({**plan.to_dict(),
+                                               SecAggKey.ROTATION_SEED: rotation_seed})
     elif dp is not None and dp.config.mode == "central":
-        setup[sc.DP_CLIP] = float(dp.clip)
+        setup[SecAggKey.DP_CLIP] = float(dp.clip)
     if sparse is not None:
-        setup[COMPRESSION_KEY] = sparse.request
+        setup[ConfigKey.COMPRESSION] = sparse.request
     group = str(rnd)
 
     def first(node: int, payload: bytes) -> Message:
-        record = ConfigRecord({**setup, sc.MSG: payload})
+        record = ConfigRecord({**setup, SecAggKey.MSG: payload})
         if held is not None:  # secure FedBuff: the node weights the delta it holds
-            record[sc.FACTOR] = float(held[node])
+            record[SecAggKey.FACTOR] = float(held[node])
             return later(node, b"", record)
-        content = RecordDict({"arrays": arrays, "config": config, sc.RECORD: record})
-        return Message(content, node, f"train.{sc.SECAGG_ACTION}", group_id=group)
+        content = RecordDict({"arrays": arrays, "config": config, SecAggRecord.PROTOCOL: record})
+        return Message(content, node, f"train.{SecAggAction.SECAGG}", group_id=group)
 
     def later(node: int, payload: bytes, record: ConfigRecord | None = None) -> Message:
-        content = RecordDict({sc.RECORD: record or ConfigRecord({sc.MSG: payload})})
-        return Message(content, node, f"query.{sc.SECAGG_ACTION}", group_id=group)
+        record = record or ConfigRecord({SecAggKey.MSG: payload})
+        content = RecordDict({SecAggRecord.PROTOCOL: record})
+        return Message(content, node, f"query.{SecAggAction.SECAGG}", group_id=group)
 
     def receive(node: int, reply: Message) -> None:
         if server.stage is Stage.ADVERTISE_KEYS:

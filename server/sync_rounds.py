@@ -15,8 +15,7 @@ from contextlib import contextmanager
 
 from flwr.app import Message, RecordDict
 
-from client import wire
-from client.compression import COMPRESSION_KEY
+from client.protocol.errors import WireError
 from server.cohort import draw_cohort
 from server.compression import ReplyCompression
 from server.exchange import push_and_collect_in_order
@@ -121,11 +120,11 @@ class PlainReplies(Collector):
     def collect(self, run_id: str, rnd: int, cohort: list[int]) -> RoundResult:
         ctx = self.ctx
         state, layout = ctx.state, ctx.layout
-        config = ctx.train_config(rnd)
-        codec = None
+        codec, request = None, None
         if self.compression is not None:  # the clients upload compressed deltas
-            config[COMPRESSION_KEY] = self.compression.request(run_id)
+            request = self.compression.request(run_id)
             codec = self.compression.codec(run_id, rnd, layout.dim)
+        config = ctx.train_config(rnd, compression=request)
         content = RecordDict({"arrays": ctx.model_record(), "config": config})
         messages = [Message(content, node, "train", group_id=str(rnd)) for node in cohort]
         agg = ctx.pipeline.open_round(dim=layout.dim, version=state.version)
@@ -137,11 +136,11 @@ class PlainReplies(Collector):
             client_id, version, problem = self._settle(reply)
             try:
                 if problem is not None:
-                    raise wire.WireError(problem)
+                    raise WireError(problem)
                 update = decode_train_reply(reply, client_id=client_id, layout=layout,
                                             base_params=state.params, version=version,
                                             codec=codec)
-            except wire.WireError as exc:
+            except WireError as exc:
                 verdict = agg.reject(client_id, str(exc))
                 ctx.reporter.message(f"round {rnd}: rejected client {client_id}: {exc}")
                 records.append(update_record(verdict))

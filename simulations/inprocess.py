@@ -24,7 +24,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from client.wire import IN_PROCESS_KEY, MASK_THREADS_KEY
+from client.protocol.keys import NodeConfigKey
 from privacy.secagg.workers import default_threads
 
 CLIENT_ERROR = 1  # Error code carried by replies of a ClientApp that raised
@@ -60,10 +60,10 @@ class InProcessGrid(Grid):
             mask_threads = 1 if self.concurrent else default_threads()
         self._contexts = {
             node_id: Context(run_id=run_id, node_id=node_id,
-                             node_config={"partition-id": node_id - 1,
+                             node_config={NodeConfigKey.PARTITION_ID: node_id - 1,
                                           "num-partitions": num_nodes,
-                                          IN_PROCESS_KEY: True,
-                                          MASK_THREADS_KEY: mask_threads},
+                                          NodeConfigKey.IN_PROCESS: True,
+                                          NodeConfigKey.MASK_THREADS: mask_threads},
                              state=RecordDict(), run_config=dict(run_config or {}))
             for node_id in range(1, num_nodes + 1)
         }

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from client.silo_options import DEVICES, add_worker_options
+from client.silo.options import DEVICES, add_worker_options
 
 WORKER_MODULE = "simulations.silo_worker"
 

@@ -4,8 +4,8 @@ A ring needs all its silos at once, so the in-process engine's one-message-at-a-
 delivery cannot run it. ``ConcurrentGrid`` starts each message's ClientApp call on a
 thread as soon as it is pushed (a node still handles one message at a time) and
 ``pull_messages`` returns the replies that are ready, as a SuperLink would. The silo
-ClientApp (``client.silo_app``) keeps a model per node, and each silo joins the round's
-ring from its own process (``client.silo_ring``), so the ring is real.
+ClientApp (``client.silo.app``) keeps a model per node, and each silo joins the round's
+ring from its own process (``client.silo.ring``), so the ring is real.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from flwr.app import Message
 from flwr.clientapp import ClientApp
 
-from client.silo_app import SiloClient, make_silo_client_app
+from client.silo.app import SiloClient, make_silo_client_app
 from simulations.inprocess import InProcessGrid
 
 

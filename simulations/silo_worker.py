@@ -1,6 +1,6 @@
 """What every process of a silo runs under ``torchrun`` (``fedring silo`` starts it).
 
-It binds the scenario task to ``client.silo.run_silo``: rank 0 serves the silo ClientApp
+It binds the scenario task to ``client.silo.job.run_silo``: rank 0 serves the silo ClientApp
 to its SuperNode, the other ranks train with it data-parallel.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from client.silo import run_silo
+from client.silo.job import run_silo
 from simulations.apps import spec_from_run_config
 from simulations.task import ScenarioTask
 

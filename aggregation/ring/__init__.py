@@ -4,16 +4,19 @@
 reduce-scatter then all-gather on point-to-point transfers, segmented and
 pipelined; ``weighted_mean`` averages with per-rank weights in one allreduce.
 Failures surface as :class:`RingError` / :class:`RingTimeout` instead of hangs.
+
+The algorithm names and the errors import without torch; the collectives load it
+on first use (``aggregation.ring.collective``).
 """
 
-from aggregation.ring.collective import (
-    ALGORITHMS,
-    DEFAULT_SEGMENT_BYTES,
-    DEFAULT_WINDOW,
-    allreduce,
-    weighted_mean,
-)
+from __future__ import annotations
+
+from typing import Any
+
 from aggregation.ring.errors import RingError, RingTimeout
+from aggregation.ring.names import ALGORITHMS
+
+_COLLECTIVE = ("DEFAULT_SEGMENT_BYTES", "DEFAULT_WINDOW", "allreduce", "weighted_mean")
 
 __all__ = [
     "ALGORITHMS",
@@ -24,3 +27,12 @@ __all__ = [
     "allreduce",
     "weighted_mean",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The torch-backed names, imported when first asked for."""
+    if name in _COLLECTIVE:
+        from aggregation.ring import collective
+
+        return getattr(collective, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

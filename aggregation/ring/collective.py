@@ -9,13 +9,12 @@ import torch.distributed as dist
 
 from aggregation.ring.channel import Channel, Pending
 from aggregation.ring.master import reduce_broadcast
+from aggregation.ring.names import ALGORITHMS, Algorithm
 from aggregation.ring.ring import ring_pipelined, ring_stepwise
 from aggregation.ring.tree import recursive_doubling
 
 Op = Literal["sum", "mean"]
-Algorithm = Literal["ring", "master", "tree", "native"]
 
-ALGORITHMS: tuple[str, ...] = ("ring", "master", "tree", "native")
 DEFAULT_SEGMENT_BYTES = 16 << 20
 DEFAULT_WINDOW = 4
 

@@ -10,24 +10,26 @@
     store.save_checkpoint(run_id, round=1, model_version=1, params=w, state=opt_state)
     store.finish_run(run_id, status="completed", summary={"accuracy": 0.91})
 
-See ``repository`` for the storage rules (JSON and non-finite floats, re-recording) and
-``serialize`` for the checkpoint payload format.
+Modules, each importing only those listed before it: ``models`` (the tables),
+``serialize`` (the checkpoint payload format), ``errors``, ``records`` (what the store
+accepts and returns), ``values`` (column checks; JSON and non-finite floats), ``engine``
+(URL, SQLite/PostgreSQL set-up, schema), ``checkpoints`` (sealed payloads, the background
+writer) and ``repository`` (``Store``: queries and writes, re-recording). ``migrations``
+upgrades an existing database.
 """
 
-from .repository import (
+from .engine import mask_url
+from .errors import CorruptCheckpoint, StoreError, UnknownRun
+from .records import (
     FATES,
     ROUND_STATUSES,
     RUN_STATUSES,
     Checkpoint,
-    CorruptCheckpoint,
     RoundInfo,
     RunInfo,
-    Store,
-    StoreError,
-    UnknownRun,
     UpdateRecord,
-    mask_url,
 )
+from .repository import Store
 from .serialize import pack_state, unpack_state
 
 __all__ = [

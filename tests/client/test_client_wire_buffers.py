@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from flwr.app import Array
 
-from client import wire
+from client.protocol.errors import WireError
+from client.protocol.npy import NPY_STYPE, ReplyBuffers, npy_array, npy_view
+from client.protocol.updates import delta_record
 
 
 @pytest.mark.parametrize("a", [np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -19,16 +21,16 @@ def test_encoding_is_numpys_npy_format_and_reads_back(a):
     expected = io.BytesIO()
     np.save(expected, np.ascontiguousarray(a), allow_pickle=False)
     for _ in range(2):  # the second time the header comes from the cache
-        arr = wire.npy_array(a)
+        arr = npy_array(a)
         assert arr.data == expected.getvalue()
-        view = wire.npy_view(arr)
+        view = npy_view(arr)
         np.testing.assert_array_equal(view, a)
         assert view.dtype == a.dtype and not view.flags.writeable
         assert np.array_equal(arr.numpy(), a)  # Flower reads it too
 
 
 def _raw(data: bytes) -> Array:
-    return Array(dtype="float32", shape=(2,), stype=wire.NPY_STYPE, data=data)
+    return Array(dtype="float32", shape=(2,), stype=NPY_STYPE, data=data)
 
 
 @pytest.mark.parametrize("data, message", [
@@ -37,24 +39,24 @@ def _raw(data: bytes) -> Array:
     (b"\x93NUMPY\x01\x00\x10\x00{'descr': 5}    \n" + bytes(8), "malformed"),
 ])
 def test_malformed_headers_are_refused(data, message):
-    with pytest.raises(wire.WireError, match=message):
-        wire.npy_view(_raw(data))
+    with pytest.raises(WireError, match=message):
+        npy_view(_raw(data))
 
 
 def test_a_cached_header_still_checks_the_payload_length():
-    good = wire.npy_array(np.ones(4, np.float32)).data
-    wire.npy_view(_raw(good))
-    with pytest.raises(wire.WireError, match="payload has 12 bytes"):
-        wire.npy_view(_raw(good[:-4]))
+    good = npy_array(np.ones(4, np.float32)).data
+    npy_view(_raw(good))
+    with pytest.raises(WireError, match="payload has 12 bytes"):
+        npy_view(_raw(good[:-4]))
 
 
 def test_a_shared_delta_reply_is_the_buffer_itself():
-    buffers = wire.ReplyBuffers()
+    buffers = ReplyBuffers()
     delta = buffers.delta(1000)
     delta[:] = np.arange(1000, dtype=np.float32)
-    arr = wire.delta_record(delta)["delta"]
+    arr = delta_record(delta)["delta"]
     assert isinstance(arr.data, bytearray) and len(arr.data) == 128 + 4000
-    seen = wire.npy_view(arr)
+    seen = npy_view(arr)
     assert np.shares_memory(seen, delta)  # no copy on the way
     np.testing.assert_array_equal(seen, np.arange(1000, dtype=np.float32))
     assert not seen.flags.writeable  # the server cannot change the client's buffer
@@ -62,10 +64,10 @@ def test_a_shared_delta_reply_is_the_buffer_itself():
 
 
 def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
-    buffers = wire.ReplyBuffers()
+    buffers = ReplyBuffers()
     first = buffers.delta(64)
     first[:] = 1.0
-    kept = wire.npy_view(wire.delta_record(first)["delta"])  # e.g. a robust combine keeps it
+    kept = npy_view(delta_record(first)["delta"])  # e.g. a robust combine keeps it
     del first
     second = buffers.delta(64)
     second[:] = 2.0
@@ -80,9 +82,9 @@ def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
 
 def test_other_deltas_are_copied_into_bytes():
     delta = np.arange(10, dtype=np.float32)
-    arr = wire.delta_record(delta)["delta"]
+    arr = delta_record(delta)["delta"]
     assert type(arr.data) is bytes
     delta[:] = 0.0
-    np.testing.assert_array_equal(wire.npy_view(arr), np.arange(10, dtype=np.float32))
-    strided = wire.ReplyBuffers().delta(20)[::2]  # a slice of a buffer is not a whole reply
-    assert type(wire.delta_record(strided)["delta"].data) is bytes
+    np.testing.assert_array_equal(npy_view(arr), np.arange(10, dtype=np.float32))
+    strided = ReplyBuffers().delta(20)[::2]  # a slice of a buffer is not a whole reply
+    assert type(delta_record(strided)["delta"].data) is bytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from client.supernode import FLOWER_IDLE_SLEEP_S, FLOWER_REPLY_SLEEP_S, make_sle
 from simulations import deploy
 from simulations.certs import public_key_pem, write_all
 from simulations.cli import build_parser
+from simulations.deploy.commands import command_env
 
 
 def test_certificates_chain_to_the_ca_and_name_the_hosts(tmp_path: Path) -> None:
@@ -136,6 +138,13 @@ def test_stop_processes_stops_the_recorded_tree_and_nothing_else() -> None:
         for p in (parent, bystander, recycled):
             p.kill()
             p.wait()
+
+
+def test_started_processes_import_this_repository(monkeypatch) -> None:
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    env = command_env(deploy.Options())
+    [root] = env["PYTHONPATH"].split(os.pathsep)
+    assert (Path(root) / "client" / "executor.py").is_file()  # `python -m client.executor`
 
 
 def test_down_without_state_is_a_no_op(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client import secure_client as sc
-from client import wire
+from client.protocol.keys import MetricKey
+from client.protocol.secagg import SecAggKey, SecAggRecord
 from client.secure_client import register_secagg
 from privacy.secagg.messages import read_header
 from privacy.secagg.stages import MsgType
@@ -62,7 +62,7 @@ def plain_app(shapes: list[tuple[int, ...]]) -> ClientApp:
         moved = {name: Array(array.numpy() + u) for (name, array), u in
                  zip(arrays.items(), update, strict=True)}
         return Message(RecordDict({"arrays": ArrayRecord(moved),
-                                   "metrics": MetricRecord({wire.NUM_EXAMPLES: 10})}),
+                                   "metrics": MetricRecord({MetricKey.NUM_EXAMPLES: 10})}),
                        reply_to=msg)
 
     return app
@@ -77,14 +77,14 @@ class Fixed:
 def secure_app(u: np.ndarray) -> ClientApp:
     """Secure rounds: every client masks u."""
     app = ClientApp()
-    register_secagg(app, lambda msg, ctx: Fixed(u, MetricRecord({wire.NUM_EXAMPLES: 10})))
+    register_secagg(app, lambda msg, ctx: Fixed(u, MetricRecord({MetricKey.NUM_EXAMPLES: 10})))
     return app
 
 
 def is_stage(kind: MsgType):
     def when(msg: Message) -> bool:
-        record = msg.content.get(sc.RECORD)
-        return isinstance(record, ConfigRecord) and read_header(record[sc.MSG]).kind is kind
+        record = msg.content.get(SecAggRecord.PROTOCOL)
+        return isinstance(record, ConfigRecord) and read_header(record[SecAggKey.MSG]).kind is kind
     return when
 
 

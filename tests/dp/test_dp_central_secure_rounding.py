@@ -19,7 +19,9 @@ from flwr.clientapp import ClientApp
 
 from aggregation.compression import CompressionConfig
 from client import secure_client as sc
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import npy_view
+from client.protocol.secagg import SecAggAction
 from client.secure_client import register_secagg
 from privacy.dp import DPConfig
 from privacy.secagg.quantize import dequantize_weighted
@@ -44,12 +46,12 @@ def recording_app(deltas: dict[int, np.ndarray], inputs: dict[int, np.ndarray]) 
     """Clients answering with fixed deltas; ``inputs`` gets each one's quantized words."""
     app = ClientApp()
     register_secagg(app, lambda msg, ctx: Fixed(deltas[int(ctx.node_id)],
-                                                 MetricRecord({wire.NUM_EXAMPLES: 10})))
+                                                 MetricRecord({MetricKey.NUM_EXAMPLES: 10})))
 
     def recording(msg: Message, context: Context) -> Message:
         reply = app(msg, context)
-        if msg.metadata.message_type == f"train.{sc.SECAGG_ACTION}":
-            inputs[int(context.node_id)] = np.array(wire.npy_view(
+        if msg.metadata.message_type == f"train.{SecAggAction.SECAGG}":
+            inputs[int(context.node_id)] = np.array(npy_view(
                 context.state[sc.INPUT]["input"]))
         return reply
 
@@ -72,7 +74,7 @@ def run(deltas, settings, *, dp, seed=7, sparse=None, weight_by="uniform"):
     dim = next(iter(deltas.values())).size
     out = secure_round(InProcessGrid(recording_app(deltas, inputs), len(deltas)),
                        nodes=list(deltas), arrays=ArrayRecord(),
-                       config=ConfigRecord({wire.SEED_KEY: seed}), settings=settings,
+                       config=ConfigRecord({ConfigKey.SEED: seed}), settings=settings,
                        weight_by=weight_by, dim=dim, session=5, rnd=1, timeout=30.0,
                        poll=0.001, dp=dp, sparse=sparse)
     assert out.status == "completed", out.abort_reason
@@ -173,7 +175,7 @@ def test_a_setup_with_no_room_for_the_rounding_is_refused_by_the_client():
     deltas = big_deltas(400_000)  # sqrt(d) / scale = 1.2 > C
     inputs: dict[int, np.ndarray] = {}
     out = secure_round(InProcessGrid(recording_app(deltas, inputs), N), nodes=list(deltas),
-                       arrays=ArrayRecord(), config=ConfigRecord({wire.SEED_KEY: 7}),
+                       arrays=ArrayRecord(), config=ConfigRecord({ConfigKey.SEED: 7}),
                        settings=settings, weight_by="uniform", dim=400_000, session=5, rnd=1,
                        timeout=30.0, poll=0.001, dp=central())
     assert out.status == "aborted" and not inputs

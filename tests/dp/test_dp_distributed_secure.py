@@ -17,8 +17,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
 from client import secure_client as sc
-from client import wire
-from client.secure_client import dropout_stage, register_secagg
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import npy_view
+from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord, dropout_stage
+from client.secure_client import register_secagg
 from privacy.dp import DistributedDPPlan, DPConfig, distributed_decode, wrap_to_signed
 from privacy.secagg.messages import read_header
 from privacy.secagg.stages import MsgType
@@ -44,18 +46,18 @@ def fixed_app(deltas: dict[int, np.ndarray], seen: dict | None = None) -> Client
     client's SETUP settings, its SecAgg input words and the server's message kinds."""
     app = ClientApp()
     register_secagg(app, lambda msg, ctx: Fixed(deltas[int(ctx.node_id)],
-                                                 MetricRecord({wire.NUM_EXAMPLES: 10})))
+                                                 MetricRecord({MetricKey.NUM_EXAMPLES: 10})))
     if seen is None:
         return app
 
     def recording(msg: Message, context: Context) -> Message:
-        record = msg.content.get(sc.RECORD)
+        record = msg.content.get(SecAggRecord.PROTOCOL)
         if isinstance(record, ConfigRecord):
-            seen.setdefault("kinds", set()).add(read_header(record[sc.MSG]).kind)
+            seen.setdefault("kinds", set()).add(read_header(record[SecAggKey.MSG]).kind)
         reply = app(msg, context)
-        if msg.metadata.message_type == f"train.{sc.SECAGG_ACTION}":
+        if msg.metadata.message_type == f"train.{SecAggAction.SECAGG}":
             seen.setdefault("setup", []).append(dict(record))
-            words = wire.npy_view(context.state[sc.INPUT]["input"])
+            words = npy_view(context.state[sc.INPUT]["input"])
             seen.setdefault("inputs", {})[int(context.node_id)] = np.array(words)
         return reply
 
@@ -74,7 +76,7 @@ def run_round(deltas, dp, settings=None, seen=None, seed=0):
     settings = settings or SecAggScenarioConfig(enabled=True, bits=BITS)
     grid = InProcessGrid(fixed_app(deltas, seen), len(deltas))
     return secure_round(grid, nodes=list(deltas), arrays=ArrayRecord(),
-                        config=ConfigRecord({wire.SEED_KEY: seed}), settings=settings,
+                        config=ConfigRecord({ConfigKey.SEED: seed}), settings=settings,
                         weight_by="uniform", dim=DIM, session=11, rnd=1, timeout=10.0,
                         poll=0.001, dp=dp)
 
@@ -105,9 +107,9 @@ def test_secure_sum_has_the_target_noise_and_never_wraps(mechanism):
     assert out.noise_multiplier == pytest.approx(plan.effective_noise_multiplier)
     # Every client got the same round plan; the exact integer sum of what they masked never
     # leaves the signed range of [secagg] bits, and the secure sum decodes exactly to it.
-    [raw] = {s[sc.DP_PLAN] for s in seen["setup"]}
+    [raw] = {s[SecAggKey.DP_PLAN] for s in seen["setup"]}
     values = json.loads(raw)
-    seed = values.pop(sc.ROTATION_SEED)
+    seed = values.pop(SecAggKey.ROTATION_SEED)
     round_plan = DistributedDPPlan.from_dict(values)
     assert round_plan.bits == BITS and round_plan.local_std == pytest.approx(
         Z * plan.norm_bound / math.sqrt(N))

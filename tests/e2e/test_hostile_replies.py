@@ -6,20 +6,21 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import npy_array
 from simulations.apps import client_app as honest_app
 
 
 def _delta_reply(msg: Message, delta, metrics: dict) -> Message:
     record = ArrayRecord()
-    record["delta"] = wire.npy_array(np.asarray(delta))
+    record["delta"] = npy_array(np.asarray(delta))
     return Message(RecordDict({"delta": record, "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 def hostile_app(dim: int) -> ClientApp:
     """Partition 0 is honest; the others each send one kind of bad reply."""
     app = ClientApp()
-    ok = {"num-examples": 5, wire.BASE_VERSION_METRIC: 0}
+    ok = {"num-examples": 5, MetricKey.BASE_VERSION: 0}
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -34,12 +35,12 @@ def hostile_app(dim: int) -> ClientApp:
             return _delta_reply(msg, np.zeros(dim, np.float64), ok)
         if pid == 4:
             return _delta_reply(msg, np.zeros(dim, np.float32), {"num-examples": 0,
-                                                                  wire.BASE_VERSION_METRIC: 0})
+                                                                  MetricKey.BASE_VERSION: 0})
         if pid == 5:
-            return _delta_reply(msg, np.zeros(dim, np.float32), {wire.BASE_VERSION_METRIC: 0})
+            return _delta_reply(msg, np.zeros(dim, np.float32), {MetricKey.BASE_VERSION: 0})
         if pid == 6:
             bad = ArrayRecord()
-            bad["delta"] = wire.npy_array(np.zeros(dim, np.float32))
+            bad["delta"] = npy_array(np.zeros(dim, np.float32))
             bad["delta"].data = bad["delta"].data[:-7]  # truncated bytes
             return Message(RecordDict({"delta": bad, "metrics": MetricRecord(ok)}),
                            reply_to=msg)
@@ -78,9 +79,9 @@ def test_a_round_with_every_reply_rejected_keeps_the_version_and_the_run_goes_on
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         if int(msg.content["config"]["server-round"]) == 2:
-            version = int(msg.content["config"][wire.VERSION_KEY])
+            version = int(msg.content["config"][ConfigKey.VERSION])
             return _delta_reply(msg, np.full(dim, np.nan, np.float32),
-                                {"num-examples": 5, wire.BASE_VERSION_METRIC: version})
+                                {"num-examples": 5, MetricKey.BASE_VERSION: version})
         return honest_app(msg, context)
 
     cfg = {**small_config, "federation": {**small_config["federation"], "clients": 3,

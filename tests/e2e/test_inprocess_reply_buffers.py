@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from client import wire
+from client.protocol.keys import ConfigKey
+from client.protocol.npy import npy_view
 from simulations.apps import client_app
 from simulations.config import load_scenario
 from simulations.task import ScenarioTask
@@ -21,9 +22,9 @@ def _recording(sent: dict[tuple[str, int], np.ndarray], addresses: list[int]):
         reply = client_app(msg, context)
         arr = reply.content["delta"]["delta"]
         assert isinstance(arr.data, bytearray)  # shared, not serialised
-        view = wire.npy_view(arr)
+        view = npy_view(arr)
         addresses.append(view.ctypes.data)
-        version = msg.content["config"][wire.VERSION_KEY]
+        version = msg.content["config"][ConfigKey.VERSION]
         sent[(str(context.node_id), version)] = view.copy()
         return reply
 

@@ -13,9 +13,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import secure_client as sc
-from client import wire
 from client.app import MESSAGE_REFUSED
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import npy_array, npy_view
+from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord
+from client.protocol.updates import model_record
 from simulations.apps import client_app
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
@@ -43,11 +45,11 @@ def context() -> Context:
 def message(kind: str = "train", *, arrays: Any = "model", config: dict[str, Any] | None = None,
             drop: tuple[str, ...] = (), **records: Any) -> Message:
     """A server message as fedring's server sends it, with some parts replaced or dropped."""
-    values = {"server-round": 1, wire.VERSION_KEY: 0, wire.REPLY_KEY: "delta",
-              wire.TASK_KEY: TASK_JSON, wire.SEED_KEY: 0}
+    values = {"server-round": 1, ConfigKey.VERSION: 0, ConfigKey.REPLY: "delta",
+              ConfigKey.TASK: TASK_JSON, ConfigKey.SEED: 0}
     values.update(config or {})
     content: dict[str, Any] = {
-        "arrays": wire.model_record(LAYOUT, PARAMS) if arrays == "model" else arrays,
+        "arrays": model_record(LAYOUT, PARAMS) if arrays == "model" else arrays,
         "config": ConfigRecord({k: v for k, v in values.items() if k not in drop}),
         **records}
     msg = Message(RecordDict({k: v for k, v in content.items() if k not in drop}), 1, kind,
@@ -57,7 +59,7 @@ def message(kind: str = "train", *, arrays: Any = "model", config: dict[str, Any
 
 
 def model_with(change: Callable[[dict[str, Array]], None]) -> ArrayRecord:
-    arrays = dict(wire.model_record(LAYOUT, PARAMS).items())
+    arrays = dict(model_record(LAYOUT, PARAMS).items())
     change(arrays)
     return ArrayRecord(arrays)
 
@@ -68,9 +70,10 @@ def _truncate(arrays: dict[str, Array]) -> None:
 
 
 def _secagg(msg: bytes = b"SA\x01\x00", **settings: Any) -> ConfigRecord:
-    values = {sc.RUN: 1, sc.ROUND: 1, sc.SCALE: 4.0, sc.CLIP: 1.0, sc.MAX_WEIGHT: 100.0,
-              sc.WEIGHT_BY: "examples", sc.ROUNDING: "nearest", sc.DROPOUT: 0.0,
-              sc.DROPOUT_STAGE: "random", sc.MSG: msg}
+    values = {SecAggKey.RUN: 1, SecAggKey.ROUND: 1, SecAggKey.SCALE: 4.0, SecAggKey.CLIP: 1.0,
+              SecAggKey.MAX_WEIGHT: 100.0, SecAggKey.WEIGHT_BY: "examples",
+              SecAggKey.ROUNDING: "nearest", SecAggKey.DROPOUT: 0.0,
+              SecAggKey.DROPOUT_STAGE: "random", SecAggKey.MSG: msg}
     values.update(settings)
     return ConfigRecord({k: v for k, v in values.items() if v is not None})
 
@@ -82,16 +85,16 @@ CASES: list[tuple[str, Callable[[], Message], str]] = [
     ("model is a config record", lambda: message(arrays=ConfigRecord({"w": 1})),
      "message has no ArrayRecord"),
     ("tensor of the wrong shape",
-     lambda: message(arrays=model_with(lambda a: a.update({FIRST: wire.npy_array(
+     lambda: message(arrays=model_with(lambda a: a.update({FIRST: npy_array(
          np.zeros(3, np.float32))}))), f"tensor '{FIRST}' has shape (3,), layout expects"),
     ("unknown tensor",
-     lambda: message(arrays=model_with(lambda a: a.update(extra=wire.npy_array(
+     lambda: message(arrays=model_with(lambda a: a.update(extra=npy_array(
          np.zeros(2, np.float32))))), "unexpected ['extra']"),
     ("missing tensor", lambda: message(arrays=model_with(lambda a: a.pop(FIRST))),
      f"missing ['{FIRST}']"),
     ("integer tensor",
-     lambda: message(arrays=model_with(lambda a: a.update({FIRST: wire.npy_array(
-         np.zeros(wire.npy_view(a[FIRST]).shape, np.int32))}))), "expected a float type"),
+     lambda: message(arrays=model_with(lambda a: a.update({FIRST: npy_array(
+         np.zeros(npy_view(a[FIRST]).shape, np.int32))}))), "expected a float type"),
     ("truncated tensor bytes", lambda: message(arrays=model_with(_truncate)),
      "array payload has"),
     ("tensor in another serialization",
@@ -102,42 +105,45 @@ CASES: list[tuple[str, Callable[[], Message], str]] = [
      "config 'server-round' must be an integer, got 'one'"),
     ("server-round is a float", lambda: message(config={"server-round": 1.5}),
      "config 'server-round' must be an integer, got 1.5"),
-    ("model version is text", lambda: message(config={wire.VERSION_KEY: "v0"}),
+    ("model version is text", lambda: message(config={ConfigKey.VERSION: "v0"}),
      "config 'fedring.version' must be an integer, got 'v0'"),
-    ("reply kind is a number", lambda: message(config={wire.REPLY_KEY: 5}),
+    ("reply kind is a number", lambda: message(config={ConfigKey.REPLY: 5}),
      "config 'fedring.reply' must be 'delta' when given, got 5"),
-    ("task is bytes", lambda: message(config={wire.TASK_KEY: b"{}"}),
+    ("task is bytes", lambda: message(config={ConfigKey.TASK: b"{}"}),
      "config 'fedring.task' must be a JSON string, got bytes"),
-    ("task is not JSON", lambda: message(config={wire.TASK_KEY: "{not json"}),
+    ("task is not JSON", lambda: message(config={ConfigKey.TASK: "{not json"}),
      "config 'fedring.task' is not a task this client can build"),
-    ("task lacks sections", lambda: message(config={wire.TASK_KEY: '{"seed": 0}'}),
+    ("task lacks sections", lambda: message(config={ConfigKey.TASK: '{"seed": 0}'}),
      "config 'fedring.task' is not a task this client can build: task spec lacks"),
-    ("task is null", lambda: message(config={wire.TASK_KEY: "null"}),
+    ("task is null", lambda: message(config={ConfigKey.TASK: "null"}),
      "config 'fedring.task' is not a task this client can build"),
     ("evaluate without arrays", lambda: message("evaluate", drop=("arrays",)),
      "message has no ArrayRecord"),
     ("evaluate with a wrong shape",
-     lambda: message("evaluate", arrays=model_with(lambda a: a.update({FIRST: wire.npy_array(
+     lambda: message("evaluate", arrays=model_with(lambda a: a.update({FIRST: npy_array(
          np.zeros((2, 2), np.float32))}))), f"tensor '{FIRST}' has shape (2, 2)"),
-    ("secure round without its record", lambda: message(f"train.{sc.SECAGG_ACTION}"),
+    ("secure round without its record", lambda: message(f"train.{SecAggAction.SECAGG}"),
      "message has no secure-aggregation payload"),
     ("secure setting of the wrong type",
-     lambda: message(f"train.{sc.SECAGG_ACTION}", **{sc.RECORD: _secagg(**{sc.SCALE: "x"})}),
-     f"secagg setting '{sc.SCALE}' is missing or not a float"),
+     lambda: message(f"train.{SecAggAction.SECAGG}",
+                     **{SecAggRecord.PROTOCOL: _secagg(**{SecAggKey.SCALE: "x"})}),
+     f"secagg setting '{SecAggKey.SCALE}' is missing or not a float"),
     ("secure setting missing",
-     lambda: message(f"train.{sc.SECAGG_ACTION}", **{sc.RECORD: _secagg(**{sc.RUN: None})}),
-     f"secagg setting '{sc.RUN}' is missing"),
-    ("garbage SETUP", lambda: message(f"train.{sc.SECAGG_ACTION}",
-                                      **{sc.RECORD: _secagg(b"not a protocol message" * 2)}),
+     lambda: message(f"train.{SecAggAction.SECAGG}",
+                     **{SecAggRecord.PROTOCOL: _secagg(**{SecAggKey.RUN: None})}),
+     f"secagg setting '{SecAggKey.RUN}' is missing"),
+    ("garbage SETUP",
+     lambda: message(f"train.{SecAggAction.SECAGG}",
+                     **{SecAggRecord.PROTOCOL: _secagg(b"not a protocol message" * 2)}),
      "not a secure-aggregation message (bad magic)"),
     ("secure query without a session",
-     lambda: message(f"query.{sc.SECAGG_ACTION}", drop=("arrays", "config"),
-                     **{sc.RECORD: ConfigRecord({sc.MSG: bytes.fromhex(
+     lambda: message(f"query.{SecAggAction.SECAGG}", drop=("arrays", "config"),
+                     **{SecAggRecord.PROTOCOL: ConfigRecord({SecAggKey.MSG: bytes.fromhex(
                          "5341010300000000000000000000000000000000000000000000000000")})}),
      "no secure-aggregation session"),
     ("secure query with a truncated message",
-     lambda: message(f"query.{sc.SECAGG_ACTION}", drop=("arrays", "config"),
-                     **{sc.RECORD: ConfigRecord({sc.MSG: b"SA\x01"})}),
+     lambda: message(f"query.{SecAggAction.SECAGG}", drop=("arrays", "config"),
+                     **{SecAggRecord.PROTOCOL: ConfigRecord({SecAggKey.MSG: b"SA\x01"})}),
      "message truncated"),
 ]
 
@@ -156,7 +162,7 @@ def test_malformed_message_gets_an_error_reply_naming_the_problem(make, fragment
 
 def _delta(reply: Message) -> np.ndarray:
     assert not reply.has_error(), reply.error.reason
-    return np.array(wire.npy_view(reply.content["delta"]["delta"]))
+    return np.array(npy_view(reply.content["delta"]["delta"]))
 
 
 def test_client_trains_the_same_after_any_number_of_bad_messages():
@@ -174,7 +180,7 @@ _values = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.integers(2*
                     st.floats(allow_nan=True), st.text(max_size=8), st.binary(max_size=8),
                     st.lists(st.integers(-3, 3), max_size=3), st.just(TASK_JSON),
                     st.just("delta"))
-_KEYS = ("server-round", wire.VERSION_KEY, wire.REPLY_KEY, wire.TASK_KEY, wire.SEED_KEY)
+_KEYS = ("server-round", ConfigKey.VERSION, ConfigKey.REPLY, ConfigKey.TASK, ConfigKey.SEED)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -192,4 +198,4 @@ def test_any_config_values_give_a_reply_or_an_error_reply(changes, kind):
         assert reply.error.code == MESSAGE_REFUSED and "message refused: config" in (
             reply.error.reason), reply.error.reason
     else:
-        assert reply.content["metrics"][wire.NUM_EXAMPLES] > 0
+        assert reply.content["metrics"][MetricKey.NUM_EXAMPLES] > 0

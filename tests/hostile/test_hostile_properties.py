@@ -24,7 +24,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 from aggregation import Layout, Pipeline, Update, Validate, Weight, WeightedMean
-from client import wire
+from client.protocol.errors import WireError
+from client.protocol.keys import MetricKey
+from client.protocol.npy import NPY_STYPE, npy_array, npy_view
+from client.protocol.updates import delta_record, model_record
 from privacy.secagg import ProtocolError, SecAggConfig
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
@@ -95,14 +98,14 @@ def _npy_header(shape: tuple, descr: object, fortran: bool, version: int) -> byt
 
 
 def _npy(arr_bytes: bytes) -> Array:
-    return Array(dtype="float32", shape=(1,), stype=wire.NPY_STYPE, data=arr_bytes)
+    return Array(dtype="float32", shape=(1,), stype=NPY_STYPE, data=arr_bytes)
 
 
 def _check_view(data: bytes) -> None:
     """npy_view of ``data`` is a WireError or an array that is exactly the payload."""
     try:
-        view = wire.npy_view(_npy(data))
-    except wire.WireError:
+        view = npy_view(_npy(data))
+    except WireError:
         return
     assert view.nbytes == len(view.tobytes()) and math.prod(view.shape) == view.size
     assert data.endswith(view.tobytes()) and not view.flags.writeable
@@ -136,15 +139,15 @@ def test_crafted_headers_are_an_array_or_a_wire_error(shape, descr, fortran, ver
        cut=st.integers(0, 10_000), extra=st.binary(min_size=1, max_size=9),
        pos=st.integers(0, 10_000), value=st.integers(0, 255))
 def test_npy_round_trip_and_its_mutations(a, cut, extra, pos, value):
-    data = wire.npy_array(a).data
-    back = wire.npy_view(_npy(data))
+    data = npy_array(a).data
+    back = npy_view(_npy(data))
     assert back.dtype == a.dtype and back.shape == a.shape
     assert back.tobytes() == np.ascontiguousarray(a).tobytes()
     cut %= len(data)
-    with pytest.raises(wire.WireError):
-        wire.npy_view(_npy(data[:cut]))  # truncated
-    with pytest.raises(wire.WireError):
-        wire.npy_view(_npy(data + extra))  # oversized
+    with pytest.raises(WireError):
+        npy_view(_npy(data[:cut]))  # truncated
+    with pytest.raises(WireError):
+        npy_view(_npy(data + extra))  # oversized
     flipped = bytearray(data)
     flipped[pos % len(data)] = value
     _check_view(bytes(flipped))
@@ -171,7 +174,7 @@ _metric_values = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.lists(st.integers(-2, 2), max_size=2), st.lists(st.floats(-1, 1), max_size=2))
 _metrics = st.dictionaries(
-    st.sampled_from([wire.NUM_EXAMPLES, wire.BASE_VERSION_METRIC, "train_loss", "x"]),
+    st.sampled_from([MetricKey.NUM_EXAMPLES, MetricKey.BASE_VERSION, "train_loss", "x"]),
     st.one_of(_metric_values, st.just(5), st.just(SENT_VERSION)), max_size=4)
 _arrays = st.one_of(
     arrays(np.float32, LAYOUT.dim, elements=_any_f32),
@@ -184,9 +187,9 @@ _arrays = st.one_of(
 def _array(draw) -> Array:
     kind = draw(st.sampled_from(["npy", "npy", "bytes", "stype"]))
     if kind == "npy":
-        return wire.npy_array(draw(_arrays))
+        return npy_array(draw(_arrays))
     data = draw(st.binary(max_size=64))
-    return Array(dtype="float32", shape=(1,), stype=wire.NPY_STYPE if kind == "bytes"
+    return Array(dtype="float32", shape=(1,), stype=NPY_STYPE if kind == "bytes"
                  else "torch.save", data=data)
 
 
@@ -208,12 +211,12 @@ def _replies(draw) -> tuple[Message, Message]:
     msg.metadata.__dict__["_message_id"] = "m1"
     if draw(st.integers(0, 9)) == 0:
         return msg, Message(Error(2, draw(st.text(max_size=10))), reply_to=msg)
-    content = {"metrics": MetricRecord({wire.NUM_EXAMPLES: 5,
-                                        wire.BASE_VERSION_METRIC: SENT_VERSION})}
+    content = {"metrics": MetricRecord({MetricKey.NUM_EXAMPLES: 5,
+                                        MetricKey.BASE_VERSION: SENT_VERSION})}
     if draw(st.booleans()):  # a fedring delta reply, else Flower's full weights
-        content["delta"] = wire.delta_record(draw(_arrays))
+        content["delta"] = delta_record(draw(_arrays))
     else:
-        content["arrays"] = wire.model_record(LAYOUT, BASE + np.float32(0.5))
+        content["arrays"] = model_record(LAYOUT, BASE + np.float32(0.5))
     content.update(draw(st.dictionaries(st.sampled_from(["delta", "metrics", "arrays", "x"]),
                                         _record_value(), max_size=2)))
     reply = Message(RecordDict(content), reply_to=msg)
@@ -233,7 +236,7 @@ def test_any_reply_decodes_to_a_valid_update_or_a_wire_error_and_is_stored(pair,
     try:
         update = decode_train_reply(reply, client_id="7", layout=LAYOUT, base_params=BASE,
                                     version=SENT_VERSION)
-    except wire.WireError as exc:
+    except WireError as exc:
         assert str(exc)
         record = update_record(agg.reject("7", str(exc)))
     else:

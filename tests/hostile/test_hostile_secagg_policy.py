@@ -17,8 +17,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 import server.secure_round as secure_round_module
-from client import wire
 from client.app import MESSAGE_REFUSED, refuse_unusable_messages
+from client.protocol.keys import ConfigKey, MetricKey
 from client.secure_client import MIN_SURVIVORS_KEY, client_policy, register_secagg
 from privacy.secagg import MECHANICS_ONLY, SecAggConfig, SecAggPolicy, SecAggServer, Stage
 from privacy.secagg import messages as m
@@ -44,7 +44,7 @@ def app_and_log(n: int) -> tuple[ClientApp, list[tuple[int, str]], list[Message]
     def local_update(msg: Message, context: Context) -> Update:
         trained.append((int(context.node_id), msg.metadata.message_type))
         delta = np.full(DIM, 0.01 * int(context.node_id), np.float32)
-        return Update(delta, MetricRecord({wire.NUM_EXAMPLES: 10}))
+        return Update(delta, MetricRecord({MetricKey.NUM_EXAMPLES: 10}))
 
     app = ClientApp(mods=[refuse_unusable_messages])
     register_secagg(app, local_update)
@@ -79,7 +79,7 @@ def weak(k: int, t: int) -> WeakSettings:
 def run(n: int, settings: SecAggScenarioConfig, app: ClientApp):
     grid = InProcessGrid(app, n)
     return secure_round(grid, nodes=list(range(1, n + 1)), arrays=ArrayRecord(),
-                        config=ConfigRecord({wire.SEED_KEY: 0}), settings=settings,
+                        config=ConfigRecord({ConfigKey.SEED: 0}), settings=settings,
                         weight_by="examples", dim=DIM, session=7, rnd=1, timeout=5.0,
                         poll=0.001)
 
@@ -174,7 +174,7 @@ def test_a_raised_node_minimum_refuses_what_the_default_accepts():
     grid = InProcessGrid(app, n)
     grid._contexts[2].node_config[MIN_SURVIVORS_KEY] = 5  # node 2 wants sums of 5 or more
     out = secure_round(grid, nodes=list(range(1, n + 1)), arrays=ArrayRecord(),
-                       config=ConfigRecord({wire.SEED_KEY: 0}),
+                       config=ConfigRecord({ConfigKey.SEED: 0}),
                        settings=SecAggScenarioConfig(enabled=True), weight_by="examples",
                        dim=DIM, session=7, rnd=1, timeout=5.0, poll=0.001)
     assert sorted(node for node, _ in trained) == [1, 3, 4]

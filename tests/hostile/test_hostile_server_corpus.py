@@ -26,7 +26,9 @@ from flwr.app import (
     RecordDict,
 )
 
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import NPY_STYPE, npy_array, npy_view
+from client.protocol.updates import delta_record
 from server.app import make_server_app
 from server.store import Store
 from simulations.apps import build_task, client_app, config_from_run_config
@@ -51,7 +53,7 @@ class Sent:
 
     @property
     def delta(self) -> np.ndarray:
-        return wire.npy_view(self.honest.content["delta"]["delta"]).copy()
+        return npy_view(self.honest.content["delta"]["delta"]).copy()
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -65,13 +67,13 @@ class Sent:
                        reply_to=self.msg)
 
     def with_delta(self, delta: np.ndarray) -> Message:
-        return self.reply(delta=wire.delta_record(delta))
+        return self.reply(delta=delta_record(delta))
 
     def with_metrics(self, **values: Any) -> Message:
         metrics = {k: v for k, v in {**self.metrics, **values}.items() if v is not None}
         return self.reply(metrics=MetricRecord(metrics))
 
-    def with_delta_bytes(self, data: bytes, stype: str = wire.NPY_STYPE) -> Message:
+    def with_delta_bytes(self, data: bytes, stype: str = NPY_STYPE) -> Message:
         array = Array(dtype="float32", shape=(self.dim,), stype=stype, data=data)
         return self.reply(delta=ArrayRecord({"delta": array}))
 
@@ -81,12 +83,12 @@ class Sent:
         return reply
 
     def full_weights(self, arrays: dict[str, np.ndarray]) -> Message:
-        record = ArrayRecord({name: wire.npy_array(a) for name, a in arrays.items()})
-        metrics = MetricRecord({wire.NUM_EXAMPLES: 10})
+        record = ArrayRecord({name: npy_array(a) for name, a in arrays.items()})
+        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: 10})
         return Message(RecordDict({"arrays": record, "metrics": metrics}), reply_to=self.msg)
 
     def model(self) -> dict[str, np.ndarray]:
-        return {name: wire.npy_view(a).copy() for name, a in self.msg.content["arrays"].items()}
+        return {name: npy_view(a).copy() for name, a in self.msg.content["arrays"].items()}
 
 
 def _npy(header: dict[str, Any], payload: bytes) -> bytes:
@@ -127,33 +129,33 @@ CASES: list[tuple[str, Callable[[Sent], Message], str]] = [
     ("delta norm overflows", lambda s: s.with_delta(np.full(s.dim, 1e30, np.float32)),
      "delta norm overflows float32"),
     # num-examples
-    ("examples zero", lambda s: s.with_metrics(**{wire.NUM_EXAMPLES: 0}),
+    ("examples zero", lambda s: s.with_metrics(**{MetricKey.NUM_EXAMPLES: 0}),
      "num-examples must be a positive integer, got 0"),
-    ("examples negative", lambda s: s.with_metrics(**{wire.NUM_EXAMPLES: -7}),
+    ("examples negative", lambda s: s.with_metrics(**{MetricKey.NUM_EXAMPLES: -7}),
      "num-examples must be a positive integer, got -7"),
-    ("examples missing", lambda s: s.with_metrics(**{wire.NUM_EXAMPLES: None}),
+    ("examples missing", lambda s: s.with_metrics(**{MetricKey.NUM_EXAMPLES: None}),
      "reply metrics lack 'num-examples'"),
-    ("examples fractional", lambda s: s.with_metrics(**{wire.NUM_EXAMPLES: 2.5}),
+    ("examples fractional", lambda s: s.with_metrics(**{MetricKey.NUM_EXAMPLES: 2.5}),
      "num-examples must be a positive integer, got 2.5"),
-    ("examples NaN", lambda s: s.with_metrics(**{wire.NUM_EXAMPLES: float("nan")}),
+    ("examples NaN", lambda s: s.with_metrics(**{MetricKey.NUM_EXAMPLES: float("nan")}),
      "num-examples must be a positive integer, got nan"),
-    ("examples a list", lambda s: s.with_metrics(**{wire.NUM_EXAMPLES: [5]}),
+    ("examples a list", lambda s: s.with_metrics(**{MetricKey.NUM_EXAMPLES: [5]}),
      "num-examples must be a positive integer, got [5]"),
-    ("examples beyond int64", lambda s: s.with_metrics(**{wire.NUM_EXAMPLES: 2**63}),
+    ("examples beyond int64", lambda s: s.with_metrics(**{MetricKey.NUM_EXAMPLES: 2**63}),
      "num-examples 9223372036854775808 does not fit an int64"),
     # model version
     ("base version from the future",
-     lambda s: s.with_metrics(**{wire.BASE_VERSION_METRIC: 2}),
+     lambda s: s.with_metrics(**{MetricKey.BASE_VERSION: 2}),
      "trained from model version 2, but the client was sent version 1"),
     ("base version from the past",
-     lambda s: s.with_metrics(**{wire.BASE_VERSION_METRIC: 0}),
+     lambda s: s.with_metrics(**{MetricKey.BASE_VERSION: 0}),
      "trained from model version 0, but the client was sent version 1"),
     ("base version beyond int64",
-     lambda s: s.with_metrics(**{wire.BASE_VERSION_METRIC: 2**70}),
+     lambda s: s.with_metrics(**{MetricKey.BASE_VERSION: 2**70}),
      f"trained from model version {2**70}, but the client was sent version 1"),
-    ("base version missing", lambda s: s.with_metrics(**{wire.BASE_VERSION_METRIC: None}),
+    ("base version missing", lambda s: s.with_metrics(**{MetricKey.BASE_VERSION: None}),
      "delta reply lacks an integer 'fedring.base-version'"),
-    ("base version float", lambda s: s.with_metrics(**{wire.BASE_VERSION_METRIC: 1.0}),
+    ("base version float", lambda s: s.with_metrics(**{MetricKey.BASE_VERSION: 1.0}),
      "delta reply lacks an integer 'fedring.base-version'"),
     # replays and identities
     ("round 1 content replayed",
@@ -164,11 +166,11 @@ CASES: list[tuple[str, Callable[[Sent], Message], str]] = [
     ("impersonates node 1", lambda s: s.forged(s.honest, src_node_id=1),
      "says it comes from node 1"),
     # bytes
-    ("npy truncated", lambda s: s.with_delta_bytes(wire.npy_array(s.delta).data[:-5]),
+    ("npy truncated", lambda s: s.with_delta_bytes(npy_array(s.delta).data[:-5]),
      "array payload has"),
-    ("npy oversized", lambda s: s.with_delta_bytes(wire.npy_array(s.delta).data + bytes(64)),
+    ("npy oversized", lambda s: s.with_delta_bytes(npy_array(s.delta).data + bytes(64)),
      "array payload has"),
-    ("npy header only", lambda s: s.with_delta_bytes(wire.npy_array(s.delta[:0]).data),
+    ("npy header only", lambda s: s.with_delta_bytes(npy_array(s.delta[:0]).data),
      "delta shape is (0,)"),
     ("not npy at all", lambda s: s.with_delta_bytes(b"\x00garbage" * 9), "malformed .npy array"),
     ("npy negative dimensions",
@@ -191,12 +193,12 @@ CASES: list[tuple[str, Callable[[Sent], Message], str]] = [
      "array serialization 'torch.save' is not supported"),
     # records and keys
     ("extra array in the delta record",
-     lambda s: s.reply(delta=ArrayRecord({"delta": wire.npy_array(s.delta),
-                                          "bias": wire.npy_array(s.delta[:3])})),
+     lambda s: s.reply(delta=ArrayRecord({"delta": npy_array(s.delta),
+                                          "bias": npy_array(s.delta[:3])})),
      "delta record has 2 arrays, expected 1"),
     ("unknown config record", lambda s: s.reply(note=ConfigRecord({"hello": "world"})),
      "delta reply has unexpected records ['note']"),
-    ("second array record", lambda s: s.reply(arrays=wire.delta_record(s.delta)),
+    ("second array record", lambda s: s.reply(arrays=delta_record(s.delta)),
      "delta reply has unexpected records ['arrays']"),
     ("delta is a config record", lambda s: s.reply(delta=ConfigRecord({"delta": b"x"})),
      "reply has no 'delta' array"),
@@ -251,9 +253,9 @@ def well_formed_reply(msg: Message, pid: int, dim: int) -> Message:
     config = msg.content["config"]
     rng = np.random.default_rng([pid, config["server-round"]])
     delta = (0.01 * rng.standard_normal(dim)).astype(np.float32)
-    metrics = MetricRecord({wire.NUM_EXAMPLES: 10 + pid, "train_loss": 0.5,
-                            wire.BASE_VERSION_METRIC: config[wire.VERSION_KEY]})
-    return Message(RecordDict({"delta": wire.delta_record(delta), "metrics": metrics}),
+    metrics = MetricRecord({MetricKey.NUM_EXAMPLES: 10 + pid, "train_loss": 0.5,
+                            MetricKey.BASE_VERSION: config[ConfigKey.VERSION]})
+    return Message(RecordDict({"delta": delta_record(delta), "metrics": metrics}),
                    reply_to=msg)
 
 
@@ -276,8 +278,8 @@ class HostileApp:
         if pid < HONEST:
             reply = client_app(msg, context)
             if rnd == HOSTILE_ROUND:
-                self.honest_deltas[pid] = (wire.npy_view(reply.content["delta"]["delta"]),
-                                           int(reply.content["metrics"][wire.NUM_EXAMPLES]))
+                self.honest_deltas[pid] = (npy_view(reply.content["delta"]["delta"]),
+                                           int(reply.content["metrics"][MetricKey.NUM_EXAMPLES]))
             return reply
         honest = well_formed_reply(msg, pid, self.dim)
         if rnd == 1:
@@ -411,7 +413,7 @@ def test_nothing_stored_before_or_after_is_lost(corpus):
 # ---------------------------------------------------------------- asynchronous drivers
 
 ASYNC_CASES = {  # node -> (corruption of a reply to a task at model version >= 1, reason)
-    4: (lambda s: s.with_metrics(**{wire.BASE_VERSION_METRIC: 0}),
+    4: (lambda s: s.with_metrics(**{MetricKey.BASE_VERSION: 0}),
         "reply says it trained from model version 0, but the client was sent version"),
     5: (lambda s: Message(s.first.content, reply_to=s.msg),
         "reply says it trained from model version 0, but the client was sent version"),
@@ -430,7 +432,7 @@ class AsyncHostileApp:
         node = context.node_config["partition-id"] + 1
         honest = well_formed_reply(msg, node - 1, self.dim)
         self.first.setdefault(node, honest)
-        if node not in ASYNC_CASES or msg.content["config"][wire.VERSION_KEY] == 0:
+        if node not in ASYNC_CASES or msg.content["config"][ConfigKey.VERSION] == 0:
             return honest
         corrupt, _ = ASYNC_CASES[node]
         return corrupt(Sent(msg=msg, honest=honest, first=self.first[node], dim=self.dim))

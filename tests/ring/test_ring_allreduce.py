@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import ring_workers
-
-from aggregation.ring.launch import launch
+from ring_launch import launch
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,7 @@ import time
 
 import pytest
 import ring_workers
-
-from aggregation.ring.launch import launch
+from ring_launch import launch
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from ring_launch import launch
 
 from aggregation.ring import ALGORITHMS, allreduce
-from aggregation.ring.launch import launch
 
 pytestmark = [
     pytest.mark.gpu,

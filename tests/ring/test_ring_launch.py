@@ -7,8 +7,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-
-from aggregation.ring.launch import LaunchError, launch
+from ring_launch import LaunchError, launch
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.updates import model_record, read_delta, read_model
 from client.task import ATTACKER_METRIC
 from simulations.apps import client_app
 from simulations.attacks import (
@@ -125,11 +126,11 @@ def train_reply(spec: dict, partition_id: int, *, delta: bool) -> tuple[Message,
     """One real train message to the ClientApp; the reply and the global model it got."""
     task = ScenarioTask(spec)
     params, layout = task.initial_params()
-    config = {"server-round": 1, wire.TASK_KEY: json.dumps(spec, sort_keys=True)}
+    config = {"server-round": 1, ConfigKey.TASK: json.dumps(spec, sort_keys=True)}
     if delta:
-        config.update({wire.REPLY_KEY: "delta", wire.VERSION_KEY: 0})
+        config.update({ConfigKey.REPLY: "delta", ConfigKey.VERSION: 0})
     grid = InProcessGrid(client_app, spec["clients"])
-    msg = grid.create_message(RecordDict({"arrays": wire.model_record(layout, params),
+    msg = grid.create_message(RecordDict({"arrays": model_record(layout, params),
                                           "config": ConfigRecord(config)}),
                               "train", partition_id + 1, group_id="1")
     [reply] = grid.send_and_receive([msg])
@@ -144,8 +145,8 @@ def test_client_app_sends_the_attackers_scaled_delta(one_torch_thread):
     attacker = min(choose_attackers(0.2, 10, seed=config["seed"]))
     honest, _ = train_reply(honest_spec, attacker, delta=True)
     poisoned, _ = train_reply(spec, attacker, delta=True)
-    d_honest = wire.read_delta(honest.content["delta"])
-    np.testing.assert_array_equal(wire.read_delta(poisoned.content["delta"]),
+    d_honest = read_delta(honest.content["delta"])
+    np.testing.assert_array_equal(read_delta(poisoned.content["delta"]),
                                   np.float32(10.0) * d_honest)
     assert poisoned.content["metrics"][ATTACKER_METRIC] == 1
     assert ATTACKER_METRIC not in honest.content["metrics"]
@@ -153,8 +154,7 @@ def test_client_app_sends_the_attackers_scaled_delta(one_torch_thread):
     full, base = train_reply(spec, attacker, delta=False)
     task = ScenarioTask(spec)
     _, layout = task.initial_params()
-    weights = wire.read_model(full.content["arrays"], layout,
-                              out=np.empty(layout.dim, np.float32))
+    weights = read_model(full.content["arrays"], layout, out=np.empty(layout.dim, np.float32))
     np.testing.assert_allclose(weights - base, 10.0 * d_honest, atol=1e-5)
 
 
@@ -165,7 +165,7 @@ def test_scale_attack_breaks_fedavg_not_median(run_inprocess, store, one_torch_t
     for combine in ("mean", "median"):
         summary = run_inprocess(attack_config(*overrides, f"aggregation.combine={combine}"))
         results[combine] = summary["final_accuracy"]
-        flagged = {int(u.metrics[wire.PARTITION_METRIC]) for _, u in
+        flagged = {int(u.metrics[MetricKey.PARTITION]) for _, u in
                    store.updates(summary["run_id"]) if u.metrics.get(ATTACKER_METRIC) == 1}
         assert flagged == set(choose_attackers(0.2, 10, seed=0))  # recorded per update
     # seed 0: FedAvg 0.10 (chance), median 0.80; without attackers both reach 0.80

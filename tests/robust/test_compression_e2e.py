@@ -10,8 +10,9 @@ import math
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message
 
-from client import wire
-from client.compression import RECORD, RESIDUAL
+from client.compression import RESIDUAL
+from client.protocol.keys import RecordName
+from client.protocol.npy import npy_array, npy_view
 from simulations import cli
 from simulations.apps import client_app
 from simulations.config import load_scenario
@@ -25,7 +26,7 @@ SMALL = [f"federation.clients={CLIENTS}", "federation.rounds=4", "train.local_ep
 
 def npy_bytes(shape: int | tuple[int, ...], dtype: type) -> int:
     """Bytes of one array on the wire (.npy header included)."""
-    return len(wire.npy_array(np.zeros(shape, dtype)).data)
+    return len(npy_array(np.zeros(shape, dtype)).data)
 
 
 def upload_bytes(kind: str, dim: int) -> int:
@@ -69,7 +70,7 @@ def test_compressed_runs_learn_and_upload_fewer_bytes(run_inprocess, store):
         feedback = kind in ("topk", "randk")  # on by default for top-k only
         assert all((RESIDUAL in c.state) == feedback for c in contexts.values())
         if feedback:  # what top-k left out waits in each client's residual
-            residuals = [wire.npy_view(c.state[RESIDUAL]["residual"]) for c in contexts.values()]
+            residuals = [npy_view(c.state[RESIDUAL]["residual"]) for c in contexts.values()]
             assert all(r.shape == (dim,) and np.count_nonzero(r) > dim // 2 for r in residuals)
 
     assert uploaded["none"] / uploaded["qsgd"] > 5.5  # 32 bits against 5 (+ norms, headers)
@@ -105,7 +106,7 @@ def test_cli_json_line_and_report_show_bytes(tmp_path, capsys, monkeypatch):
 
 
 def _tamper(reply: Message, how: str) -> Message:
-    arrays = {k: np.array(wire.npy_view(v)) for k, v in reply.content[RECORD].items()}
+    arrays = {k: np.array(npy_view(v)) for k, v in reply.content[RecordName.COMPRESSED].items()}
     if how == "index":
         arrays["indices"][-1] = 10**6
     elif how == "length":
@@ -114,7 +115,7 @@ def _tamper(reply: Message, how: str) -> Message:
         arrays["values"][0] = np.nan
     elif how == "unsorted":
         arrays["indices"] = arrays["indices"][::-1].copy()
-    reply.content[RECORD] = ArrayRecord({k: wire.npy_array(v) for k, v in arrays.items()})
+    reply.content[RecordName.COMPRESSED] = ArrayRecord({k: npy_array(v) for k, v in arrays.items()})
     return reply
 
 

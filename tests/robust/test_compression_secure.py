@@ -17,9 +17,11 @@ from flwr.clientapp import ClientApp
 
 import server.compression
 from aggregation.compression import CompressionConfig, RoundCodec
-from client import secure_client as sc
-from client import wire
-from client.compression import COMPRESSION_KEY, RESIDUAL, CompressionRequest
+from client.compression import RESIDUAL
+from client.protocol.compression import CompressionRequest
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import npy_view
+from client.protocol.secagg import SecAggKey, SecAggRecord
 from client.secure_client import register_secagg, shared_request
 from privacy.secagg import ProtocolError, run_secagg_round
 from privacy.secagg.messages import (
@@ -68,7 +70,7 @@ def secure_app(update) -> ClientApp:
 def synthetic_app(inputs: dict[int, tuple[np.ndarray, int]]) -> ClientApp:
     def update(context: Context, msg: Message) -> Fixed:
         delta, count = inputs[int(context.node_id)]
-        return Fixed(delta, MetricRecord({wire.NUM_EXAMPLES: count}))
+        return Fixed(delta, MetricRecord({MetricKey.NUM_EXAMPLES: count}))
 
     return secure_app(update)
 
@@ -111,14 +113,14 @@ def sparse_round(inputs, clip: float, contexts: dict[int, Context] | None = None
     def app(msg: Message, context: Context) -> Message:
         if contexts is not None:
             contexts[int(context.node_id)] = context
-        record = msg.content.get(sc.RECORD)
-        seen.append((int(context.node_id), msg.metadata.message_type, record[sc.MSG]))
+        record = msg.content.get(SecAggRecord.PROTOCOL)
+        seen.append((int(context.node_id), msg.metadata.message_type, record[SecAggKey.MSG]))
         return inner(msg, context)
 
     grid = ByteCountingGrid(InProcessGrid(app, len(inputs)))
     settings = SecAggScenarioConfig(enabled=True, clip_range=clip, max_weight=100.0)
     out = secure_round(grid, nodes=list(inputs), arrays=ArrayRecord(),
-                       config=ConfigRecord({wire.SEED_KEY: 0}),
+                       config=ConfigRecord({ConfigKey.SEED: 0}),
                        settings=settings, weight_by="examples", dim=DIM, session=7, rnd=1,
                        timeout=5.0, poll=0.001, sparse=pattern or None)
     return out, pattern, grid, seen
@@ -169,12 +171,12 @@ def test_shared_pattern_round_sums_k_values_and_keeps_the_rest(clip):
 
 def test_a_bad_compression_request_in_setup_is_refused():
     good = CompressionRequest(CompressionConfig(kind="topk", shared_pattern=True), 3)
-    assert shared_request(ConfigRecord({COMPRESSION_KEY: good.to_json()})) == good
+    assert shared_request(ConfigRecord({ConfigKey.COMPRESSION: good.to_json()})) == good
     assert shared_request(ConfigRecord()) is None
     qsgd = CompressionRequest(CompressionConfig(kind="qsgd"), 3).to_json()
     for raw, fragment in [("{", "bad 'fedring.compression'"), (qsgd, "kind 'qsgd'")]:
         with pytest.raises(ProtocolError, match=fragment):
-            shared_request(ConfigRecord({COMPRESSION_KEY: raw}))
+            shared_request(ConfigRecord({ConfigKey.COMPRESSION: raw}))
 
 
 def test_a_client_refusing_the_pattern_drops_out_and_the_round_goes_on():
@@ -182,17 +184,17 @@ def test_a_client_refusing_the_pattern_drops_out_and_the_round_goes_on():
     inner = synthetic_app(inputs)
 
     def app(msg: Message, context: Context) -> Message:  # node 2 gets a malformed request
-        record = msg.content.get(sc.RECORD)
+        record = msg.content.get(SecAggRecord.PROTOCOL)
         if int(context.node_id) == 2 and isinstance(record, ConfigRecord) \
-                and COMPRESSION_KEY in record:
-            record[COMPRESSION_KEY] = "not json"
+                and ConfigKey.COMPRESSION in record:
+            record[ConfigKey.COMPRESSION] = "not json"
         return inner(msg, context)
 
     cfg = CompressionConfig(kind="topk", fraction=0.1, shared_pattern=True)
     grid = InProcessGrid(app, N)
     settings = SecAggScenarioConfig(enabled=True, clip_range=4.0, max_weight=100.0)
     out = secure_round(grid, nodes=list(inputs), arrays=ArrayRecord(),
-                       config=ConfigRecord({wire.SEED_KEY: 0}),
+                       config=ConfigRecord({ConfigKey.SEED: 0}),
                        settings=settings, weight_by="examples", dim=DIM, session=7, rnd=1,
                        timeout=5.0, poll=0.001,
                        sparse=SharedPattern(cfg).for_round("r", 1, DIM))
@@ -306,9 +308,9 @@ def test_secure_fedbuff_sums_the_shared_pattern_of_each_buffer(run_inprocess, st
 
     def update(context: Context, msg: Message) -> Fixed:
         node = int(context.node_config["partition-id"]) + 1
-        dim = sum(wire.npy_view(a).size for a in msg.content["arrays"].values())
+        dim = sum(npy_view(a).size for a in msg.content["arrays"].values())
         return Fixed(np.full(dim, step * node, np.float32),
-                     MetricRecord({wire.NUM_EXAMPLES: 10 + node}))
+                     MetricRecord({MetricKey.NUM_EXAMPLES: 10 + node}))
 
     common = ["federation.clients=6", "federation.rounds=3", "driver.kind=fedbuff",
               "driver.buffer_size=3", "data.partitioner=iid", 'secagg.neighbors="full"',

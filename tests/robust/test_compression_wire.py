@@ -10,15 +10,11 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from aggregation.compression import CompressionConfig, RoundCodec, shared_pattern
-from client import wire
-from client.compression import (
-    COMPRESSION_KEY,
-    RESIDUAL,
-    CompressionRequest,
-    compress,
-    load_residual,
-    reply_record,
-)
+from client.compression import RESIDUAL, compress, load_residual, reply_record
+from client.protocol.compression import CompressionRequest
+from client.protocol.errors import WireError
+from client.protocol.keys import ConfigKey
+from client.protocol.npy import npy_array, npy_view
 from privacy.secagg import max_scale
 from privacy.secagg.quantize import max_level
 from server.compression import ReplyCompression
@@ -37,11 +33,11 @@ def delta(seed: int = 0) -> np.ndarray:
 
 
 def record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({name: wire.npy_array(a) for name, a in arrays.items()})
+    return ArrayRecord({name: npy_array(a) for name, a in arrays.items()})
 
 
 def views(rec: ArrayRecord) -> dict[str, np.ndarray]:
-    return {name: wire.npy_view(rec[name]) for name in rec}
+    return {name: npy_view(rec[name]) for name in rec}
 
 
 # --- codecs ---------------------------------------------------------------------------
@@ -157,7 +153,7 @@ def test_reply_record_follows_the_request():
     d = delta()
     plain = ConfigRecord({"server-round": 1})
     assert reply_record(plain, d, RecordDict(), 0)[0] == "delta"
-    asked = ConfigRecord({"server-round": 1, COMPRESSION_KEY: ReplyCompression(
+    asked = ConfigRecord({"server-round": 1, ConfigKey.COMPRESSION: ReplyCompression(
         CompressionConfig(kind="qsgd")).request("run-a")})
     name, rec = reply_record(asked, d, RecordDict(), 0)
     assert name == "compressed" and sorted(rec.keys()) == ["codes", "norms"]
@@ -166,8 +162,8 @@ def test_reply_record_follows_the_request():
     other = reply_record(asked, d, RecordDict(), 1)[1]
     assert again["codes"].data == rec["codes"].data != other["codes"].data
     for bad in ("not json", '{"kind": "qsgd"}', '{"kind": "zip", "run": 1}'):
-        with pytest.raises(wire.WireError, match=COMPRESSION_KEY):
-            reply_record(ConfigRecord({COMPRESSION_KEY: bad}), d, RecordDict(), 0)
+        with pytest.raises(WireError, match=ConfigKey.COMPRESSION):
+            reply_record(ConfigRecord({ConfigKey.COMPRESSION: bad}), d, RecordDict(), 0)
 
 
 # --- hostile payloads -----------------------------------------------------------------
@@ -210,16 +206,16 @@ def test_hostile_payload_is_rejected_with_a_reason(case):
     arrays, fragment = HOSTILE[case]
     kind = "qsgd" if "codes" in arrays else "topk"
     c = codec(kind="qsgd", bits=4) if kind == "qsgd" else codec(kind="topk", k=10)
-    with pytest.raises(wire.WireError, match="compressed") as err:
+    with pytest.raises(WireError, match="compressed") as err:
         decode_compressed(record(arrays), c)
     assert fragment in str(err.value)
 
 
 def test_compressed_reply_when_none_was_asked_or_not_an_array_record():
     arrays = codec(kind="topk", k=10).encode(delta())
-    with pytest.raises(wire.WireError, match="does not compress"):
+    with pytest.raises(WireError, match="does not compress"):
         decode_compressed(record(arrays), None)
-    with pytest.raises(wire.WireError, match="expected an ArrayRecord"):
+    with pytest.raises(WireError, match="expected an ArrayRecord"):
         decode_compressed(ConfigRecord({"x": 1}), codec(kind="topk", k=10))
 
 

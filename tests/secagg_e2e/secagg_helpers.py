@@ -8,7 +8,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
 from client.secure_client import register_secagg
 
 
@@ -33,7 +33,7 @@ def synthetic_app(inputs: dict[int, tuple[np.ndarray, int]],
 
     def local_update(msg: Message, context: Context) -> Synthetic:
         delta, examples = inputs[int(context.node_id)]
-        return Synthetic(delta, MetricRecord({wire.NUM_EXAMPLES: examples}))
+        return Synthetic(delta, MetricRecord({MetricKey.NUM_EXAMPLES: examples}))
 
     app = ClientApp()
     register_secagg(app, local_update)
@@ -50,4 +50,4 @@ def synthetic_app(inputs: dict[int, tuple[np.ndarray, int]],
 
 
 def empty_model() -> tuple[ArrayRecord, ConfigRecord]:
-    return ArrayRecord(), ConfigRecord({wire.SEED_KEY: 0})
+    return ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0})

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import server.compression
-from client.secure_client import dropout_stage
+from client.protocol.secagg import dropout_stage
 from simulations.apps import build_task
 from simulations.cli import run_simulation
 from simulations.config import load_scenario

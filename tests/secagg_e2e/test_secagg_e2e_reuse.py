@@ -8,7 +8,7 @@ import numpy as np
 from flwr.app import Context, Message
 from secagg_helpers import empty_model, synthetic_app, synthetic_inputs
 
-from client import secure_client as sc
+from client.protocol.secagg import SecAggKey, SecAggRecord
 from privacy.secagg.quantize import error_bound
 from server.secagg_config import SecAggScenarioConfig
 from server.secure_round import secure_round
@@ -24,10 +24,10 @@ def test_rounds_in_process_reuse_buffers_but_never_one_still_referenced():
 
     def keeping(msg: Message, context: Context) -> Message:
         reply = app(msg, context)
-        record = reply.content.get(sc.VECTOR_RECORD) if reply.has_content() else None
+        record = reply.content.get(SecAggRecord.VECTOR) if reply.has_content() else None
         if record is not None:  # the MASKED_INPUT reply: kept for good
-            kept.append(record[sc.VECTOR].data)
-            copies.append(bytes(record[sc.VECTOR].data))
+            kept.append(record[SecAggKey.VECTOR].data)
+            copies.append(bytes(record[SecAggKey.VECTOR].data))
         return reply
 
     grid = InProcessGrid(keeping, N)  # type: ignore[arg-type]

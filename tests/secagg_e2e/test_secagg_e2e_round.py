@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from secagg_helpers import empty_model, synthetic_app, synthetic_inputs
 
-from client.secure_client import STAGE_NAMES, dropout_stage, quantize_into, stage_of
+from client.protocol.secagg import STAGE_NAMES, dropout_stage, stage_of
+from client.secure_client import quantize_into
 from privacy.secagg import quantize_weighted
 from privacy.secagg.messages import read_header
 from privacy.secagg.quantize import error_bound

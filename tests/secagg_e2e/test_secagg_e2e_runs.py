@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Message
 
-from client.secure_client import dropout_stage
+from client.protocol.secagg import dropout_stage
 from privacy.secagg.messages import MsgType
 from simulations.apps import build_task, client_app
 from simulations.config import load_scenario

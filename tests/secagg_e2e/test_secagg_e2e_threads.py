@@ -10,8 +10,8 @@ import pytest
 from flwr.app import Context, RecordDict
 from secagg_helpers import empty_model, synthetic_app, synthetic_inputs
 
+from client.protocol.keys import NodeConfigKey
 from client.secure_client import mask_threads
-from client.wire import MASK_THREADS_KEY
 from privacy.secagg.prg import PARALLEL_WORDS
 from privacy.secagg.quantize import PARALLEL_COORDS
 from privacy.secagg.workers import default_threads, worker_cpu_seconds
@@ -67,12 +67,12 @@ def _context(node_config: dict) -> Context:
 @pytest.mark.parametrize("value", [0, -2, "4", 2.0, True])
 def test_a_bad_mask_threads_node_config_is_refused_with_its_name(value):
     with pytest.raises(ValueError, match="'mask-threads' must be an integer >= 1"):
-        mask_threads(_context({MASK_THREADS_KEY: value}))
+        mask_threads(_context({NodeConfigKey.MASK_THREADS: value}))
 
 
 def test_mask_threads_defaults_to_one_and_takes_the_node_config():
     assert mask_threads(_context({})) == 1
-    assert mask_threads(_context({MASK_THREADS_KEY: 6})) == 6
+    assert mask_threads(_context({NodeConfigKey.MASK_THREADS: 6})) == 6
 
 
 def test_engines_give_sequential_nodes_the_cores_and_concurrent_ones_one_thread():
@@ -80,7 +80,7 @@ def test_engines_give_sequential_nodes_the_cores_and_concurrent_ones_one_thread(
         raise AssertionError("not called")
 
     def threads_of(grid: InProcessGrid) -> set[int]:
-        return {c.node_config[MASK_THREADS_KEY] for c in grid._contexts.values()}
+        return {c.node_config[NodeConfigKey.MASK_THREADS] for c in grid._contexts.values()}
 
     assert threads_of(InProcessGrid(app, 3)) == {default_threads()}
     assert threads_of(InProcessGrid(app, 3, mask_threads=2)) == {2}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from client.silo_training import train_ddp
+from client.silo.training import train_ddp
 from client.training import TrainConfig, train
 
 # 101 examples: batches of 10 end with one example (rank 1's share of it is empty), and

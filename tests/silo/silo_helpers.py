@@ -80,7 +80,8 @@ def join_then_die(spec: dict[str, Any]) -> None:
 
     import torch.distributed as dist
 
-    from client.silo_ring import RingSpec, _join
+    from client.protocol.ring import RingSpec
+    from client.silo.ring import _join
 
     ring = RingSpec(**spec)
     store = _join(ring)
@@ -120,7 +121,7 @@ def deployed_silos(tmp: Path, processes: Sequence[int], federation: str, *,
     nodes = len(processes) + plain_nodes
     try:
         port = deploy.free_port()
-        procs.append(deploy._launch("superlink", deploy.superlink_command(
+        procs.append(deploy.launch_process("superlink", deploy.superlink_command(
             port, certs=None, auth=False), logs, env))
         _wait("the SuperLink", lambda: deploy.port_open(port), procs)
         address = f"{deploy.HOST}:{port}"
@@ -130,15 +131,15 @@ def deployed_silos(tmp: Path, processes: Sequence[int], federation: str, *,
         opts = deploy.Options(nodes=nodes, mode="fedring")
         for i, nproc in enumerate(processes):
             runtime = deploy.free_port()
-            procs.append(deploy._launch(f"supernode-{i}", deploy.supernode_command(
+            procs.append(deploy.launch_process(f"supernode-{i}", deploy.supernode_command(
                 i, address, runtime, opts, None), logs, env))
-            procs.append(deploy._launch(f"silo-{i}", [
+            procs.append(deploy.launch_process(f"silo-{i}", [
                 sys.executable, "-m", "simulations.cli", "silo", "--nproc-per-node", str(nproc),
                 "--runtime-api-address", f"{deploy.HOST}:{runtime}", "--insecure",
                 "--device", "cpu", "--threads", "1", "--timeout", "60"], logs, env))
         plain = deploy.Options(nodes=nodes, mode="flower")
         for i in range(len(processes), nodes):
-            procs.append(deploy._launch(f"plain-{i}", deploy.supernode_command(
+            procs.append(deploy.launch_process(f"plain-{i}", deploy.supernode_command(
                 i, address, deploy.free_port(), plain, None), logs, env))
         _wait("the SuperNodes and silos", lambda: all(
             deploy.log_has(r["log"], "polling" if r["name"].startswith("silo")

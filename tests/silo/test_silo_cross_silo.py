@@ -20,9 +20,9 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from silo_helpers import SILOS, expected_first_round, join_then_die, scenario
 
 from aggregation.ring import RingError
-from client import wire
-from client.silo_app import AGGREGATE_RECORD, RESULT_RECORD, RING_RECORD
-from client.silo_ring import RingSpec, blamed_ranks, ring_aggregate
+from client.protocol.ring import RingRecord, RingSpec
+from client.protocol.updates import delta_record, read_delta
+from client.silo.ring import blamed_ranks, ring_aggregate
 from server.cross_silo import judge
 from simulations.apps import client_app as plain_client_app
 from simulations.apps import spec_from_run_config
@@ -38,7 +38,7 @@ def silo_app() -> Callable[[Message, Context], Message]:
 
 def ring_of(msg: Message) -> tuple[int, int]:
     """(server round, ring rank) of a cross-silo message."""
-    ring = msg.content[RING_RECORD]
+    ring = msg.content[RingRecord.SPEC]
     return int(msg.content["config"]["server-round"]), int(ring["rank"])
 
 
@@ -71,10 +71,10 @@ def _lie_about(kind: str) -> Callable[[Message, Context], Message]:
         if rnd != 1 or reply.has_error():
             return reply
         if kind == "digest" and rank == 1:
-            reply.content[RESULT_RECORD]["digest"] = "0" * 64
+            reply.content[RingRecord.RESULT]["digest"] = "0" * 64
         if kind == "aggregate" and rank == 0:
-            tampered = np.array(wire.read_delta(reply.content[AGGREGATE_RECORD])) + 1e-3
-            reply.content[AGGREGATE_RECORD] = wire.delta_record(tampered.astype(np.float32))
+            tampered = np.array(read_delta(reply.content[RingRecord.AGGREGATE])) + 1e-3
+            reply.content[RingRecord.AGGREGATE] = delta_record(tampered.astype(np.float32))
         return reply
 
     return lying
@@ -195,7 +195,7 @@ def test_a_node_that_is_no_silo_is_the_only_one_excluded(run_inprocess, store) -
 
 def _reply(status: str, peers: list[int]) -> Message:
     result = ConfigRecord({"status": status, "peers": peers, "error": "ring rendezvous"})
-    return Message(RecordDict({RESULT_RECORD: result, "metrics": MetricRecord()}), 0, "train")
+    return Message(RecordDict({RingRecord.RESULT: result, "metrics": MetricRecord()}), 0, "train")
 
 
 @pytest.mark.parametrize(("joined", "peers", "blamed"), [
@@ -220,8 +220,8 @@ def test_a_silo_rejects_its_own_bad_update_and_the_ring_goes_on(run_inprocess, s
 
     def strict(msg: Message, context: Context) -> Message:
         if ring_of(msg)[1] == 1:  # this silo checks its delta against a tiny norm bound
-            ring = msg.content[RING_RECORD]
-            msg.content[RING_RECORD] = ConfigRecord({**ring, "max_norm": 1e-6})
+            ring = msg.content[RingRecord.SPEC]
+            msg.content[RingRecord.SPEC] = ConfigRecord({**ring, "max_norm": 1e-6})
         return app(msg, context)
 
     summary = run_inprocess(scenario(rounds=1), grid=ConcurrentGrid(strict, SILOS))

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from silo_helpers import check_ddp_results, expected_first_round, run_ddp_worker, scenario
 
-from client.silo_app import SiloClient, make_silo_client_app
-from client.silo_ring import RingSpec, ring_aggregate
+from client.protocol.ring import RingSpec
+from client.silo.app import SiloClient, make_silo_client_app
+from client.silo.ring import ring_aggregate
 from simulations.apps import spec_from_run_config
 from simulations.silo_engine import ConcurrentGrid
 from simulations.task import ScenarioTask

@@ -19,8 +19,7 @@ import pytest
 from flwr.app import Context, Message
 from silo_helpers import SILOS, join_then_die, scenario
 
-from client.silo_app import CROSS_SILO_ACTION, RING_RECORD
-from client.silo_ring import RingSpec
+from client.protocol.ring import CROSS_SILO_ACTION, RingRecord, RingSpec
 from privacy.dp import DPConfig
 from privacy.secagg import SecAggServer
 from privacy.secagg.messages import read_header
@@ -131,7 +130,7 @@ def _dies_in_the_ring(release: threading.Event, victims: list[int]) -> Callable[
     names = {f.name for f in dataclasses.fields(RingSpec)}
 
     def dying(msg: Message, context: Context) -> Message:
-        ring = msg.content.get(RING_RECORD)
+        ring = msg.content.get(RingRecord.SPEC)
         if (msg.metadata.message_type == RING_STAGE and msg.metadata.group_id == "1"
                 and int(ring["rank"]) == SILOS - 1):
             victims.append(context.node_id)

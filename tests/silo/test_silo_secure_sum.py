@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, Metadata, MetricRecord, RecordDict
 
-from client.silo_app import FAILED_KEY
+from client.protocol.ring import RingKey, RingRecord
+from client.protocol.updates import delta_record
 from privacy.secagg import SecAggClient, SecAggConfig, SecAggServer, Stage, Status
 from privacy.secagg.messages import decode_masked_input
 from server.cross_silo import decode_reply
@@ -110,13 +111,10 @@ def test_a_sum_is_taken_only_in_the_masking_stage() -> None:
 
 
 def _ring_reply(failed: object, aggregate: np.ndarray | None) -> Message:
-    from client import wire
-    from client.silo_app import AGGREGATE_RECORD, RESULT_RECORD
-
-    content = RecordDict({"metrics": MetricRecord(), RESULT_RECORD: ConfigRecord(
-        {"status": "ok", "digest": "d", "count": 3, FAILED_KEY: failed})})
+    content = RecordDict({"metrics": MetricRecord(), RingRecord.RESULT: ConfigRecord(
+        {"status": "ok", "digest": "d", "count": 3, RingKey.FAILED: failed})})
     if aggregate is not None:
-        content[AGGREGATE_RECORD] = wire.delta_record(aggregate)
+        content[RingRecord.AGGREGATE] = delta_record(aggregate)
     return Message(content, metadata=Metadata(
         run_id=1, message_id="r1", src_node_id=5, dst_node_id=0, reply_to_message_id="m1",
         group_id="1", created_at=0.0, ttl=60.0, message_type="query.cross_silo"))

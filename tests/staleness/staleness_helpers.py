@@ -9,7 +9,8 @@ import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client import wire
+from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.npy import npy_array, npy_view
 from simulations.config import load_scenario
 
 FAST = ["train.local_epochs=1", "data.partitioner=iid"]
@@ -32,11 +33,11 @@ def scripted_app(step: float = 1e-3, examples: Callable[[int], int] = lambda pid
     def train(msg: Message, context: Context) -> Message:
         pid = int(context.node_config["partition-id"])
         config = msg.content["config"]
-        dim = sum(wire.npy_view(a).size for a in msg.content["arrays"].values())
+        dim = sum(npy_view(a).size for a in msg.content["arrays"].values())
         record = ArrayRecord()
-        record["delta"] = wire.npy_array(np.full(dim, step * (pid + 1), np.float32))
+        record["delta"] = npy_array(np.full(dim, step * (pid + 1), np.float32))
         metrics = MetricRecord({"num-examples": examples(pid),
-                                wire.BASE_VERSION_METRIC: int(config[wire.VERSION_KEY])})
+                                MetricKey.BASE_VERSION: int(config[ConfigKey.VERSION])})
         return Message(RecordDict({"delta": record, "metrics": metrics}), reply_to=msg)
 
     return app

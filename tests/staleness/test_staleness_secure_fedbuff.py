@@ -15,8 +15,10 @@ from flwr.app import Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 from staleness_helpers import scenario, scripted_app, scripted_delta
 
-from client import wire
-from client.secure_client import HOLD_ACTION, dropout_stage, register_secagg
+from client.protocol.keys import MetricKey
+from client.protocol.npy import npy_view
+from client.protocol.secagg import SecAggAction, dropout_stage
+from client.secure_client import register_secagg
 from server.secagg_config import SecAggScenarioConfig
 from simulations.apps import build_task
 from simulations.config import load_scenario
@@ -43,8 +45,8 @@ def scripted_secure_app() -> ClientApp:
 
     def local_update(msg: Message, context: Context) -> Scripted:
         node = int(context.node_config["partition-id"]) + 1
-        dim = sum(wire.npy_view(a).size for a in msg.content["arrays"].values())
-        return Scripted(scripted_delta(node, dim), MetricRecord({wire.NUM_EXAMPLES:
+        dim = sum(npy_view(a).size for a in msg.content["arrays"].values())
+        return Scripted(scripted_delta(node, dim), MetricRecord({MetricKey.NUM_EXAMPLES:
                                                                   examples(node)}))
 
     register_secagg(app, local_update)
@@ -190,7 +192,7 @@ class FailingOnce:
         self.app, self.node, self.failed = scripted_secure_app(), node, False
 
     def __call__(self, msg: Message, context: Context) -> Message:
-        if (msg.metadata.message_type == f"train.{HOLD_ACTION}" and not self.failed
+        if (msg.metadata.message_type == f"train.{SecAggAction.HOLD}" and not self.failed
                 and int(context.node_id) == self.node):
             self.failed = True
             raise RuntimeError("local training failed")

@@ -3,27 +3,37 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 
 import numpy as np
 import pytest
 
-from server.store import Store, UnknownRun, UpdateRecord
+from server.store import Store, UnknownRun, UpdateRecord, repository
+from server.store.checkpoints import seal
 
 
 def _sqlite_path(url: str) -> str:
     return url.removeprefix("sqlite:///")
 
 
-def test_background_save_snapshots_params_and_state(open_store):
+def test_background_save_snapshots_params_and_state(open_store, monkeypatch):
     store = open_store()
     run_id = store.create_run(config={}, seed=0)
     params = np.arange(1000, dtype=np.float32)
     state = {"opt": {"m": np.ones(3, np.float32)}, "step": 4}
+    changed = threading.Event()  # the writer encodes only after the caller's changes
+
+    def seal_later(*args):
+        assert changed.wait(30)
+        return seal(*args)
+
+    monkeypatch.setattr(repository, "seal", seal_later)
     store.save_checkpoint_in_background(run_id, round=1, model_version=1, params=params,
                                         state=state)
     params += 100.0  # the caller goes on changing its model and state at once
     state["opt"]["m"][:] = 7.0
     state["step"] = 5
+    changed.set()
     store.flush()
     ckpt = open_store().load_checkpoint(run_id)
     assert ckpt.round == 1 and ckpt.model_version == 1
@@ -95,7 +105,7 @@ def test_in_memory_store_saves_at_once():
         run_id = store.create_run(config={}, seed=0)
         store.save_checkpoint_in_background(run_id, round=1, model_version=1,
                                             params=np.ones(3, np.float32), state={"a": 1})
-        assert store._in_flight is None
+        assert store._writer.in_flight is None
         assert store.load_checkpoint(run_id).state == {"a": 1}
 
 

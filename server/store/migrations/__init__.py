@@ -30,9 +30,9 @@ HERE = Path(__file__).resolve().parent
 
 def engine_for(url: str) -> Engine:
     """An engine configured as the store configures its own (SQLite pragmas, psycopg)."""
-    from server.store.repository import _make_engine, _normalise_url
+    from server.store.engine import make_engine, parse_url
 
-    return _make_engine(_normalise_url(url))
+    return make_engine(parse_url(url))
 
 
 def alembic_config(url: str | None = None) -> Config:

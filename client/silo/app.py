@@ -3,10 +3,10 @@
 A silo answers the same messages as any fedring client, and one more:
 
 - ``train``: load the global model, train on the silo's partition, reply with the delta.
-  With a :class:`~client.silo.SiloGroup` of several processes (``fedring silo
+  With a :class:`~client.silo.job.SiloGroup` of several processes (``fedring silo
   --nproc-per-node N``) training is DDP over them; alone it is ``client.training.train``.
 - ``train.cross_silo``: train likewise, then join the round's ring with the other silos
-  (``client.silo_ring``) and reply with the digest of the aggregate; the silo at ring
+  (``client.silo.ring``) and reply with the digest of the aggregate; the silo at ring
   rank 0 adds the aggregate itself. The server never sees a single silo's delta.
 - ``query.cross_silo`` (secure cross-silo rounds, after ``train.secagg`` and the key
   stages): mask the update as a SecAgg+ client does (FORWARDED_SHARES -> MASKED_INPUT,
@@ -20,7 +20,6 @@ Each (task, node) has its own model and data, so several silos can live in one p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -33,28 +32,27 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from aggregation.ring import RingError, RingTimeout
-from client import secure_client as sc
-from client import wire
 from client.app import FedringClient, LocalUpdate, _first, noise_rng, training_seed
 from client.flat_model import FlatModel
+from client.protocol.errors import WireError
+from client.protocol.keys import ConfigKey, MetricKey, RecordName
+from client.protocol.ring import (
+    CROSS_SILO_ACTION,
+    RingKey,
+    RingMetric,
+    RingRecord,
+    RingSpec,
+    RingStatus,
+    ring_spec,
+)
+from client.protocol.secagg import SecAggKey, SecAggRecord
+from client.protocol.updates import delta_record, flatten_model, model_views
 from client.secure_client import SecureClient, register_secagg
-from client.silo_ring import RingResult, RingSpec, blamed_ranks, ring_aggregate, ring_sum_words
+from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
 from client.training import train, train_dp_sgd
 from privacy.dp import local_dp_update
 from privacy.secagg.messages import decode_masked_input
-
-CROSS_SILO_ACTION = "cross_silo"
-RING_RECORD = "fedring.ring"  # ConfigRecord sent by the server: RingSpec fields + the keys below
-WEIGHT_BY_KEY = "weight_by"
-MAX_NORM_KEY = "max_norm"
-BITS_KEY = "bits"  # secure rounds: the masked words' modulus 2^bits
-FAILED_KEY = "failed"  # secure rounds' reply: peers whose shares did not authenticate
-RESULT_RECORD = "fedring.ring-result"  # ConfigRecord of the reply: status, digest, ...
-AGGREGATE_RECORD = "aggregate"  # ArrayRecord of ring rank 0's reply
-WEIGHT_METRIC = "fedring.ring-weight"
-NORM_METRIC = "fedring.delta-norm"
-STATUS_OK, STATUS_TIMEOUT, STATUS_RING_ERROR = "ok", "ring-timeout", "ring-error"
 
 
 @dataclass
@@ -116,7 +114,7 @@ class WorkerCache:
 
 
 class Group(Protocol):
-    """The silo's processes as the ClientApp sees them (``client.silo.SiloGroup``)."""
+    """The silo's processes as the ClientApp sees them (``client.silo.job.SiloGroup``)."""
 
     size: int
 
@@ -146,7 +144,7 @@ class SiloClient(FedringClient):
         self._specs: dict[str, str] = {}
 
     def _task_key(self, config: ConfigRecord, context: Context) -> str:
-        raw = config.get(wire.TASK_KEY)
+        raw = config.get(ConfigKey.TASK)
         if isinstance(raw, str):
             return raw
         run_config = json.dumps(dict(context.run_config), sort_keys=True, default=str)
@@ -157,19 +155,19 @@ class SiloClient(FedringClient):
 
     def local_update(self, msg: Message, context: Context) -> LocalUpdate:
         """Load the sent model, train on the silo's partition; the delta and its metrics."""
-        config = _first(msg.content, ConfigRecord, "config")
+        config = _first(msg.content, ConfigRecord, RecordName.CONFIG)
         key = self._task_key(config, context)
         worker = self.workers.get(key, context.node_id)
         pid = self._partition_id(context)
         x, y = worker.partition(pid)
         model, cfg = worker.model, worker.task.train_config
-        base = wire.model_views(_first(msg.content, ArrayRecord, "arrays"), model.layout)
-        wire.flatten_model(base, model.layout, out=model.flat_np)
+        base = model_views(_first(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout)
+        flatten_model(base, model.layout, out=model.flat_np)
         delta = worker.delta
         np.copyto(delta, model.flat_np)  # the global model, until the delta replaces it
         worker.to_module()
-        seed = training_seed(worker.task.seed, int(config.get("server-round", 0)), pid)
-        metrics = MetricRecord({wire.NUM_EXAMPLES: len(x)})
+        seed = training_seed(worker.task.seed, int(config.get(ConfigKey.SERVER_ROUND, 0)), pid)
+        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
         if self.group is not None and self.group.size > 1:
             loss = self.group.train(worker, key, pid, seed)
         elif cfg.dp_sgd:
@@ -192,20 +190,20 @@ class SiloClient(FedringClient):
 
     def cross_silo(self, msg: Message, context: Context) -> Message:
         """Train, join the round's ring, reply with the digest (ring rank 0: and the aggregate)."""
-        ring, spec = ring_spec(msg)
+        ring, spec = ring_spec(msg.content)
         update = self.local_update(msg, context)
         metrics = update.metrics
-        weight = (float(metrics[wire.NUM_EXAMPLES]) if ring.get(WEIGHT_BY_KEY) == "examples"
-                  else 1.0)
-        reason, norm = update_problem(update.delta, float(ring.get(MAX_NORM_KEY, 0.0)))
+        weight = (float(metrics[MetricKey.NUM_EXAMPLES])
+                  if ring.get(RingKey.WEIGHT_BY) == "examples" else 1.0)
+        reason, norm = update_problem(update.delta, float(ring.get(RingKey.MAX_NORM, 0.0)))
         delta = update.delta
         if reason is not None:  # still joins the ring, which needs every silo, with weight 0
             weight, delta = 0.0, np.zeros_like(delta)
-        metrics[WEIGHT_METRIC] = weight
+        metrics[RingMetric.WEIGHT] = weight
         if np.isfinite(norm):
-            metrics[NORM_METRIC] = norm
-        result = ConfigRecord({"status": STATUS_OK, "ring-rank": spec.rank,
-                               "rejected": reason or ""})
+            metrics[RingMetric.NORM] = norm
+        result = ConfigRecord({RingKey.STATUS: RingStatus.OK, RingKey.RING_RANK: spec.rank,
+                               RingKey.REJECTED: reason or ""})
         device = self.workers.device
         return self._ring_reply(msg, metrics, result, spec, lambda: ring_aggregate(
             delta, weight, spec, cuda_device=device.index or 0))
@@ -214,14 +212,14 @@ class SiloClient(FedringClient):
         """Mask this silo's update (its SecAgg+ session answers FORWARDED_SHARES), sum the
         masked words over the round's ring, reply with the masked sum's digest (ring rank
         0: and the masked sum). The masked vector itself goes only into the ring."""
-        ring, spec = ring_spec(msg)
-        bits = ring.get(BITS_KEY)
+        ring, spec = ring_spec(msg.content)
+        bits = ring.get(RingKey.BITS)
         if isinstance(bits, bool) or not isinstance(bits, int):
-            raise wire.WireError(f"a secure cross-silo message needs an integer '{BITS_KEY}'")
+            raise WireError(f"a secure cross-silo message needs an integer '{RingKey.BITS}'")
         masked = self.secure.query(msg, context)  # FORWARDED_SHARES -> MASKED_INPUT
-        _, own = decode_masked_input(masked.content[sc.VECTOR_RECORD][sc.VECTOR].data)
-        result = ConfigRecord({"status": STATUS_OK, "ring-rank": spec.rank,
-                               FAILED_KEY: [int(v) for v in own.failed]})
+        _, own = decode_masked_input(masked.content[SecAggRecord.VECTOR][SecAggKey.VECTOR].data)
+        result = ConfigRecord({RingKey.STATUS: RingStatus.OK, RingKey.RING_RANK: spec.rank,
+                               RingKey.FAILED: [int(v) for v in own.failed]})
         device = self.workers.device
         return self._ring_reply(msg, MetricRecord(), result, spec, lambda: ring_sum_words(
             own.vector, bits, spec, cuda_device=device.index or 0))
@@ -237,27 +235,19 @@ class SiloClient(FedringClient):
                                 f"on {device}", step="setup")
             out = run()
         except RingError as exc:
-            result["status"] = STATUS_TIMEOUT if isinstance(exc, RingTimeout) \
-                else STATUS_RING_ERROR
-            result["error"] = str(exc)
-            result["step"] = exc.step
-            result["peers"] = blamed_ranks(exc)  # the ring ranks it points at
-            return Message(RecordDict({"metrics": metrics, RESULT_RECORD: result}), reply_to=msg)
-        result.update({"digest": out.digest, "total-weight": out.total_weight,
-                       "count": out.count, "ring-s": out.seconds})
-        content = RecordDict({"metrics": metrics, RESULT_RECORD: result})
+            result[RingKey.STATUS] = RingStatus.TIMEOUT if isinstance(exc, RingTimeout) \
+                else RingStatus.RING_ERROR
+            result[RingKey.ERROR] = str(exc)
+            result[RingKey.STEP] = exc.step
+            result[RingKey.PEERS] = blamed_ranks(exc)  # the ring ranks it points at
+            return Message(RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result}),
+                           reply_to=msg)
+        result.update({RingKey.DIGEST: out.digest, RingKey.TOTAL_WEIGHT: out.total_weight,
+                       RingKey.COUNT: out.count, RingKey.RING_S: out.seconds})
+        content = RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result})
         if spec.rank == 0:
-            content[AGGREGATE_RECORD] = wire.delta_record(out.aggregate)
+            content[RingRecord.AGGREGATE] = delta_record(out.aggregate)
         return Message(content, reply_to=msg)
-
-
-def ring_spec(msg: Message) -> tuple[ConfigRecord, RingSpec]:
-    """The ring record of a cross-silo message and the silo's place in the ring."""
-    ring = msg.content.get(RING_RECORD)
-    if not isinstance(ring, ConfigRecord):
-        raise wire.WireError(f"a cross-silo message needs a '{RING_RECORD}' record")
-    names = {f.name for f in dataclasses.fields(RingSpec)}
-    return ring, RingSpec(**{k: v for k, v in ring.items() if k in names})
 
 
 def make_silo_client_app(client: SiloClient) -> ClientApp:

@@ -1,20 +1,14 @@
-"""How fedring's server and clients encode models and updates in Flower messages.
-
-Models travel in Flower's convention (an ArrayRecord of per-layer ``numpy.ndarray``
-Arrays under "arrays"), so stock Flower ClientApps and strategies understand them.
-A fedring client asked for a delta (config "fedring.reply" = "delta") answers with one
-flat float32 Array under "delta"; otherwise it answers like any Flower client, with
-full weights under "arrays" and "num-examples" in its MetricRecord.
+"""Flower Arrays in .npy format: one copy to encode, a zero-copy view to decode.
 
 Encoding writes the .npy header and the raw bytes in one copy; decoding is a zero-copy
 ``np.frombuffer`` view after checking the header. Headers are parsed and written once per
 distinct (dtype, shape): a model sends the same ones every round, and numpy's parser
 (a Python literal) costs about 0.1 ms each.
 
-On the in-process engine (node config "fedring.in-process") a client's delta reply is not
-copied at all: the client trains, subtracts straight into a reusable .npy buffer
-(:class:`ReplyBuffers`) and the reply's Array points at it, since it never leaves the
-process.
+On the in-process engine (node config ``NodeConfigKey.IN_PROCESS``) a client's delta
+reply is not copied at all: the client trains, subtracts straight into a reusable .npy
+buffer (:class:`ReplyBuffers`) and the reply's Array points at it, since it never leaves
+the process.
 """
 
 from __future__ import annotations
@@ -24,28 +18,14 @@ import io
 import math
 import sys
 import tokenize
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array
 
-from aggregation.flat import Layout
+from client.protocol.errors import WireError
 
 NPY_STYPE = "numpy.ndarray"
-REPLY_KEY = "fedring.reply"          # config: "delta" or absent (full weights)
-VERSION_KEY = "fedring.version"      # config: server model version sent
-TASK_KEY = "fedring.task"            # config: JSON of the data/model/train sections
-SEED_KEY = "fedring.seed"            # config: run seed
-IN_PROCESS_KEY = "fedring.in-process"  # node config: replies stay in this process
-MASK_THREADS_KEY = "mask-threads"    # node config: threads a secure client masks with
-BASE_VERSION_METRIC = "fedring.base-version"
-PARTITION_METRIC = "fedring.partition-id"
-NUM_EXAMPLES = "num-examples"        # Flower's weighting key
-
-
-class WireError(ValueError):
-    """A message field that cannot be decoded; the text is the stored reason."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -132,7 +112,7 @@ class _ReplyBuffer(bytearray):
     """A .npy header and a float32 vector, owned by a ReplyBuffers."""
 
 
-def _shared_array(delta: np.ndarray) -> Array | None:
+def shared_array(delta: np.ndarray) -> Array | None:
     """An Array whose data is the ReplyBuffers buffer ``delta`` fills (no copy), else None."""
     base = delta.base
     if not (isinstance(base, memoryview) and isinstance(base.obj, _ReplyBuffer)
@@ -167,60 +147,3 @@ def npy_view(arr: Array) -> np.ndarray:
     view = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
     view.flags.writeable = False  # also over a reply buffer shared in-process
     return view
-
-
-def model_record(layout: Layout, params: np.ndarray) -> ArrayRecord:
-    """The model as Flower expects it: one Array per named tensor."""
-    rec = ArrayRecord()
-    for name, view in layout.unflatten(params).items():
-        rec[name] = npy_array(view)
-    return rec
-
-
-def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
-    """Zero-copy views of a per-layer model record, checked against the layout's names
-    and float dtypes (shapes are checked when they are flattened)."""
-    if not isinstance(record, ArrayRecord):
-        raise WireError(f"expected an ArrayRecord, got {type(record).__name__}")
-    names = set(record.keys())
-    if names != set(layout.names):
-        missing = sorted(set(layout.names) - names)
-        extra = sorted(names - set(layout.names))
-        raise WireError(f"model tensors do not match the layout (missing {missing}, "
-                        f"unexpected {extra})")
-    arrays = {name: npy_view(record[name]) for name in layout.names}
-    for name, a in arrays.items():
-        if a.dtype.kind != "f":  # a floating type
-            raise WireError(f"tensor '{name}' has dtype {a.dtype}, expected a float type")
-    return arrays
-
-
-def flatten_model(views: Mapping[str, np.ndarray], layout: Layout,
-                  out: np.ndarray) -> np.ndarray:
-    """Copy checked model views into the flat vector ``out`` (one copy in total)."""
-    try:
-        return layout.flatten(views, out=out)
-    except ValueError as exc:
-        raise WireError(str(exc)) from exc
-
-
-def read_model(record: ArrayRecord, layout: Layout, out: np.ndarray) -> np.ndarray:
-    """Copy a per-layer model record into the flat vector ``out`` (one copy in total)."""
-    return flatten_model(model_views(record, layout), layout, out)
-
-
-def delta_record(delta: np.ndarray) -> ArrayRecord:
-    """A client's flat float32 delta as a one-Array record (sharing, not copying, a delta
-    that fills a ReplyBuffers buffer)."""
-    rec = ArrayRecord()
-    rec["delta"] = _shared_array(delta) or npy_array(delta)
-    return rec
-
-
-def read_delta(record: ArrayRecord) -> np.ndarray:
-    """The flat delta of a fedring reply (a read-only view; validated by the pipeline)."""
-    if not isinstance(record, ArrayRecord) or "delta" not in record:
-        raise WireError("reply has no 'delta' array")
-    if len(record) != 1:
-        raise WireError(f"delta record has {len(record)} arrays, expected 1")
-    return npy_view(record["delta"]).reshape(-1)

@@ -1,10 +1,12 @@
 """Run a function on a local torch.distributed process group (one process per rank).
 
-Used by tests and benchmarks: ``launch(fn, n, *args)`` starts ``n`` fresh processes
-(``forkserver`` or ``spawn``, never a plain fork of the caller), joins them into
-a gloo group over 127.0.0.1 (the rendezvous store listens on a free port chosen
-by the OS) and calls ``fn(rank, world_size, *args)`` in each. It returns the per-rank return values,
-or raises the first rank's exception (with the remote traceback as a note).
+A test and benchmark tool, not shipped: ``benchmarks/allreduce.py`` imports it as
+``ring_launch``, and so do the tests (``tests/ring/conftest.py``). ``launch(fn, n, *args)``
+starts ``n`` fresh processes (``forkserver`` or ``spawn``, never a plain fork of the
+caller), joins them into a gloo group over 127.0.0.1 (the rendezvous store listens on a
+free port chosen by the OS) and calls ``fn(rank, world_size, *args)`` in each. It returns
+the per-rank return values, or raises the first rank's exception (with the remote
+traceback as a note).
 
 ``fn`` must be importable by name (a module-level function) and its arguments
 and return value picklable; return small summaries, not large tensors.

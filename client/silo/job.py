@@ -2,10 +2,10 @@
 
 Rank 0 (the leader) talks to Flower: it is a warm ClientApp executor for one SuperNode
 started with ``--isolation process`` (``client.executor``), serving the silo ClientApp
-(``client.silo_app``) whatever app the run's FAB names. The other ranks follow: for each
+(``client.silo.app``) whatever app the run's FAB names. The other ranks follow: for each
 training task the leader publishes a small command (task, partition, seed) in the job's
 rendezvous store, and every rank then trains the same model data-parallel
-(``client.silo_training.train_ddp``); DDP hands rank 0's parameters, the global model,
+(``client.silo.training.train_ddp``); DDP hands rank 0's parameters, the global model,
 to all ranks. Only the leader joins cross-silo rings and replies.
 
 On CPUs the processes form a gloo group; with ``--device cuda`` (or ``auto`` where CUDA
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from client.executor import WarmExecutor
-from client.silo_app import SiloClient, SiloWorker, WorkerCache, make_silo_client_app
-from client.silo_options import DEVICES, add_worker_options
-from client.silo_ring import loopback_interface, warm_up
-from client.silo_training import check_silo_training, train_ddp
+from client.silo.app import SiloClient, SiloWorker, WorkerCache, make_silo_client_app
+from client.silo.options import DEVICES, add_worker_options
+from client.silo.ring import loopback_interface, warm_up
+from client.silo.training import check_silo_training, train_ddp
 from client.task import SpecResolver, TaskFactory
 
 log = logging.getLogger("fedring.silo")

@@ -3,7 +3,8 @@
 Each silo puts ``[w * delta, w, 1 if w > 0]`` into one float32 buffer and sums it over
 the ring (``aggregation.ring.allreduce``), so every silo ends with the same weighted
 sum, total weight and count, bit for bit; the aggregate is the weighted mean (or the
-sum) and its :func:`aggregate_digest` is what the server checks every silo against.
+sum) and its digest (``client.protocol.ring.aggregate_digest``) is what the server
+checks every silo against.
 Whatever a silo put into its delta (local DP noise, for one) passes through unchanged:
 the ring only adds. Under secure aggregation a silo sums its masked words instead
 (:func:`ring_sum_words`: unsigned integers that wrap, reduced mod 2^bits).
@@ -21,59 +22,22 @@ can hang.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 import socket
-import struct
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 
-from aggregation.ring import ALGORITHMS, RingError, RingTimeout
+from aggregation.ring import RingError, RingTimeout
+from client.protocol.ring import RingSpec, aggregate_digest
 
-BACKENDS = ("gloo", "nccl")
-COMBINES = ("mean", "sum")
 _EXIT_GRACE_S = 10.0
-
-
-@dataclass(frozen=True)
-class RingSpec:
-    """Where and how one silo joins a round's ring (sent by the server)."""
-
-    host: str  # the rendezvous store's address
-    port: int
-    prefix: str  # keeps rounds (and retries) apart in one store
-    rank: int  # this silo's place in the ring
-    size: int
-    join_timeout_s: float = 120.0
-    ring_timeout_s: float = 30.0
-    algorithm: str = "ring"
-    backend: str = "gloo"
-    combine: str = "mean"
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"ring rank {self.rank} is not in [0, {self.size})")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"rendezvous port {self.port} is not a TCP port")
-        if not (self.join_timeout_s > 0 and self.ring_timeout_s > 0):
-            raise ValueError("join_timeout_s and ring_timeout_s must be > 0")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"ring algorithm must be one of {ALGORITHMS}, got "
-                             f"'{self.algorithm}'")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"ring backend must be one of {BACKENDS}, got '{self.backend}'")
-        if self.combine not in COMBINES:
-            raise ValueError(f"combine must be one of {COMBINES}, got '{self.combine}'")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class RendezvousTimeout(RingTimeout):
@@ -101,16 +65,6 @@ class RingResult:
     count: int  # silos that contributed a non-zero weight
     digest: str
     seconds: float  # rendezvous + allreduce, as seen by this silo
-
-
-def aggregate_digest(aggregate: np.ndarray, total_weight: float, count: int) -> str:
-    """sha256 of the aggregate's float32 bytes (a masked sum: its words), its total weight
-    and its count."""
-    words = aggregate.dtype.kind == "u"
-    h = hashlib.sha256(np.ascontiguousarray(aggregate, dtype=None if words else np.float32)
-                       .tobytes())
-    h.update(struct.pack("<dq", float(total_weight), int(count)))
-    return h.hexdigest()
 
 
 def is_loopback(host: str) -> bool:

@@ -1,0 +1,52 @@
+"""Record names and the keys of the train config, reply metrics and node config.
+
+Models travel in Flower's convention (an ArrayRecord of per-layer Arrays under
+"arrays"), so stock Flower ClientApps and strategies understand them. A fedring client
+asked for a delta (config ``ConfigKey.REPLY`` = ``REPLY_DELTA``) answers with one flat
+float32 Array under "delta" (or, when the server asks, "compressed"); otherwise it
+answers like any Flower client, with full weights under "arrays" and "num-examples" in
+its MetricRecord.
+"""
+
+from __future__ import annotations
+
+from client.protocol.names import Names
+
+REPLY_DELTA = "delta"  # the value of ConfigKey.REPLY that asks for a delta
+
+
+class RecordName(Names):
+    """Records of a message's RecordDict."""
+
+    ARRAYS = "arrays"  # the model: one Array per named tensor (Flower's convention)
+    CONFIG = "config"
+    METRICS = "metrics"
+    DELTA = "delta"  # a fedring reply: the flat float32 delta, one Array under "delta"
+    COMPRESSED = "compressed"  # a compressed reply: the arrays of RoundCodec.encode
+
+
+class ConfigKey(Names):
+    """Keys of the train message's ConfigRecord."""
+
+    SERVER_ROUND = "server-round"  # Flower's round number
+    VERSION = "fedring.version"  # the server model version sent
+    REPLY = "fedring.reply"  # REPLY_DELTA, or absent (full weights)
+    TASK = "fedring.task"  # JSON of the data/model/train sections
+    SEED = "fedring.seed"  # the run seed
+    COMPRESSION = "fedring.compression"  # JSON of [compression] and "run" (compression.py)
+
+
+class MetricKey(Names):
+    """Keys of a train reply's MetricRecord."""
+
+    NUM_EXAMPLES = "num-examples"  # Flower's weighting key
+    BASE_VERSION = "fedring.base-version"  # the model version the client trained from
+    PARTITION = "fedring.partition-id"
+
+
+class NodeConfigKey(Names):
+    """Node config keys a fedring ClientApp reads (set by the engine or the operator)."""
+
+    PARTITION_ID = "partition-id"  # Flower's convention: the node's data partition
+    IN_PROCESS = "fedring.in-process"  # replies stay in this process (in-process engine)
+    MASK_THREADS = "mask-threads"  # threads a secure client quantizes and masks with

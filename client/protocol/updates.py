@@ -1,0 +1,71 @@
+"""Models and deltas in messages: the model as Flower's per-layer ArrayRecord, a delta
+as one flat float32 Array under "delta"."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from aggregation.flat import Layout
+from client.protocol.errors import WireError
+from client.protocol.keys import RecordName
+from client.protocol.npy import npy_array, npy_view, shared_array
+
+
+def model_record(layout: Layout, params: np.ndarray) -> ArrayRecord:
+    """The model as Flower expects it: one Array per named tensor."""
+    rec = ArrayRecord()
+    for name, view in layout.unflatten(params).items():
+        rec[name] = npy_array(view)
+    return rec
+
+
+def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
+    """Zero-copy views of a per-layer model record, checked against the layout's names
+    and float dtypes (shapes are checked when they are flattened)."""
+    if not isinstance(record, ArrayRecord):
+        raise WireError(f"expected an ArrayRecord, got {type(record).__name__}")
+    names = set(record.keys())
+    if names != set(layout.names):
+        missing = sorted(set(layout.names) - names)
+        extra = sorted(names - set(layout.names))
+        raise WireError(f"model tensors do not match the layout (missing {missing}, "
+                        f"unexpected {extra})")
+    arrays = {name: npy_view(record[name]) for name in layout.names}
+    for name, a in arrays.items():
+        if a.dtype.kind != "f":  # a floating type
+            raise WireError(f"tensor '{name}' has dtype {a.dtype}, expected a float type")
+    return arrays
+
+
+def flatten_model(views: Mapping[str, np.ndarray], layout: Layout,
+                  out: np.ndarray) -> np.ndarray:
+    """Copy checked model views into the flat vector ``out`` (one copy in total)."""
+    try:
+        return layout.flatten(views, out=out)
+    except ValueError as exc:
+        raise WireError(str(exc)) from exc
+
+
+def read_model(record: ArrayRecord, layout: Layout, out: np.ndarray) -> np.ndarray:
+    """Copy a per-layer model record into the flat vector ``out`` (one copy in total)."""
+    return flatten_model(model_views(record, layout), layout, out)
+
+
+def delta_record(delta: np.ndarray) -> ArrayRecord:
+    """A client's flat float32 delta as a one-Array record (sharing, not copying, a delta
+    that fills a ReplyBuffers buffer)."""
+    rec = ArrayRecord()
+    rec[RecordName.DELTA] = shared_array(delta) or npy_array(delta)
+    return rec
+
+
+def read_delta(record: ArrayRecord) -> np.ndarray:
+    """The flat delta of a fedring reply (a read-only view; validated by the pipeline)."""
+    if not isinstance(record, ArrayRecord) or RecordName.DELTA not in record:
+        raise WireError("reply has no 'delta' array")
+    if len(record) != 1:
+        raise WireError(f"delta record has {len(record)} arrays, expected 1")
+    return npy_view(record[RecordName.DELTA]).reshape(-1)

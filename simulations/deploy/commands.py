@@ -1,0 +1,131 @@
+"""What ``fedring deploy up`` runs: its options and the command lines and environment of
+the SuperLink, the SuperNodes (in each mode), the warm executors and ``flwr run``."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulations.deploy.processes import HOST
+
+STATE_DIR = Path("runs/deploy")
+FEDERATION = "fedring-local"
+MODES = ("fedring", "warm", "fastpoll", "flower")
+WARM_MODES = ("fedring", "warm")  # a long-lived executor per SuperNode
+DEFAULT_DB = "sqlite:///runs/fedring.db"
+# third-party modules fedring's ClientApp imports, loaded by each executor before any run
+PRELOAD = "torch,numpy,sklearn.datasets,dp_accounting,sqlalchemy"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # for `python -m client.executor` etc.
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``fedring deploy up`` was asked for."""
+
+    nodes: int = 3
+    tls: bool = False
+    auth: bool = False
+    db: str = DEFAULT_DB
+    state_dir: Path = STATE_DIR
+    federation: str = FEDERATION
+    mode: str = "fedring"
+    pull_interval: float = 0.2
+    executor_poll: float = 0.05
+    threads: int | None = None  # torch threads per ClientApp; None: the cores shared out
+    timeout_s: float = 120.0
+    partitions: int | None = None  # defaults to nodes
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got '{self.mode}'")
+        if self.auth and not self.tls:
+            raise ValueError("SuperNode authentication needs TLS: add --tls")
+        if self.pull_interval <= 0 or self.executor_poll <= 0:
+            raise ValueError("poll intervals must be > 0")
+        if self.threads is not None and self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+
+    @property
+    def torch_threads(self) -> int:
+        """Threads per ClientApp (0: torch's default, one per core, in every process)."""
+        if self.threads is not None:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // self.nodes) if self.mode in WARM_MODES else 0
+
+
+def _bin(name: str) -> str:
+    """A console script next to this interpreter (the venv's), else from PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else name
+
+
+def superlink_command(port: int, *, certs: Path | None, auth: bool) -> list[str]:
+    cmd = [_bin("flower-superlink"), "--host", HOST, "--port", str(port),
+           "--disable-runtime-dependency-installation"]
+    if certs is None:
+        return [*cmd, "--insecure"]
+    cmd += ["--ssl-ca-certfile", str(certs / "ca.pem"), "--ssl-certfile",
+            str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key")]
+    return [*cmd, "--enable-supernode-auth"] if auth else cmd
+
+
+def supernode_command(i: int, superlink: str, runtime_port: int, opts: Options,
+                      certs: Path | None) -> list[str]:
+    partitions = opts.partitions or opts.nodes
+    args = ["--superlink", superlink, "--host", HOST, "--port", str(runtime_port),
+            "--node-config", f"partition-id={i} num-partitions={partitions}"]
+    if certs is None:
+        args.append("--insecure")
+    else:
+        args += ["--root-certificates", str(certs / "ca.pem")]
+    if opts.auth:
+        args += ["--auth-supernode-private-key", str(certs / f"node-{i}.auth")]
+    if opts.mode == "flower":
+        return [_bin("flower-supernode"), *args, "--isolation", "subprocess"]
+    wrapper = [sys.executable, "-m", "client.supernode", "--pull-interval",
+               str(opts.pull_interval), "--"]
+    if opts.mode == "fastpoll":
+        return [*wrapper, *args, "--isolation", "subprocess"]
+    if certs is not None:  # the node's own Runtime API, where its executor connects
+        args += ["--ssl-certfile", str(certs / f"node-{i}.pem"), "--ssl-keyfile",
+                 str(certs / f"node-{i}.key"), "--ssl-ca-certfile", str(certs / "ca.pem")]
+    if opts.mode == "warm":
+        return [_bin("flower-supernode"), *args, "--isolation", "process"]
+    return [*wrapper, *args, "--isolation", "process"]
+
+
+def executor_command(runtime_port: int, parent_pid: int, opts: Options,
+                     certs: Path | None) -> list[str]:
+    tls = ["--insecure"] if certs is None else ["--root-certificates", str(certs / "ca.pem")]
+    return [sys.executable, "-m", "client.executor", "--runtime-api-address",
+            f"{HOST}:{runtime_port}", *tls, "--parent-pid", str(parent_pid),
+            "--poll", str(opts.executor_poll), "--threads", str(opts.torch_threads),
+            "--preload", PRELOAD]
+
+
+def run_command(federation: str, db: str, nodes: int, scenario: str = "default") -> str:
+    overrides = f"federation.clients={nodes} federation.min_clients={nodes}"
+    run_config = f'scenario="{scenario}" db="{db}" overrides="{overrides}"'
+    return f"flwr run . {federation} --run-config {shlex.quote(run_config)} --stream"
+
+
+def command_env(opts: Options) -> dict[str, str]:
+    """The environment every started process gets: this venv first on PATH, the repository
+    on PYTHONPATH, Flower's update checks off and, but in ``flower`` mode, a short
+    SuperExec poll."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    env.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    if opts.mode != "flower":  # SuperExecs start the ServerApp (and ClientApps) sooner
+        env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
+    if opts.torch_threads > 0:
+        env["OMP_NUM_THREADS"] = str(opts.torch_threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                      env.get("PYTHONPATH", "")]))
+    return env
