@@ -171,7 +171,7 @@ class FedringClient:
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
         if worker.task.train_config.dp_sgd:
             loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
-                                                           worker.task.train_config, seed=seed)
+                                                           worker.task.train_config)
         else:
             loss = train(model.module, x, y, worker.task.train_config, seed=seed,
                          global_params=global_params)

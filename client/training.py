@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,13 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.opti
                            weight_decay=cfg.weight_decay)
 
 
-def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-                 *, seed: int) -> tuple[float, float]:
+def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 cfg: TrainConfig) -> tuple[float, float]:
     """DP-SGD with Opacus (Abadi et al. 2016): Poisson-sampled batches of expected size
     ``batch_size``, per-sample gradients clipped to ``dp_sgd_max_grad_norm``, Gaussian noise.
 
+    The batch draws and the noise come from operating-system entropy, never from the run
+    seed: the sampled-batch guarantee needs both to stay secret from whoever knows the seed.
     Returns the mean loss and the sample-level epsilon at ``dp_sgd_delta`` of this call
     (Opacus' RDP accountant over its steps).
     """
@@ -77,10 +80,11 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg:
     rate = min(1.0, cfg.batch_size / n)
     params = [p for p in module.parameters() if p.requires_grad]
     gsm = GradSampleModule(module)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(secrets.randbits(63))  # the batches
+    noise = torch.Generator().manual_seed(secrets.randbits(63))
     opt = DPOptimizer(_optimizer(params, cfg), noise_multiplier=cfg.dp_sgd_noise_multiplier,
                       max_grad_norm=cfg.dp_sgd_max_grad_norm,
-                      expected_batch_size=max(1, round(rate * n)))
+                      expected_batch_size=max(1, round(rate * n)), generator=noise)
     accountant = RDPAccountant()
     total, steps = 0.0, 0
     try:

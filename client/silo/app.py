@@ -171,7 +171,7 @@ class SiloClient(FedringClient):
         if self.group is not None and self.group.size > 1:
             loss = self.group.train(worker, key, pid, seed)
         elif cfg.dp_sgd:
-            loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(worker.module, x, y, cfg, seed=seed)
+            loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(worker.module, x, y, cfg)
         else:
             start = ([p.detach().clone() for p in worker.module.parameters()]
                      if cfg.proximal_mu > 0 else None)

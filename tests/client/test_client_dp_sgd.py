@@ -27,7 +27,7 @@ def test_per_sample_clipping_bounds_every_step():
                       dp_sgd_max_grad_norm=1e-3)
     model = _model()
     before = model.vector().copy()
-    train_dp_sgd(model.module, x, y, cfg, seed=1)
+    train_dp_sgd(model.module, x, y, cfg)
     steps = 4  # epochs * round(n / batch_size)
     # each step moves by lr * (sum of clipped per-sample grads) / batch <= lr * C (+ noise ~ 0)
     moved = float(torch.linalg.vector_norm(torch.from_numpy(model.vector() - before)))
@@ -38,8 +38,8 @@ def test_module_is_plain_again_and_trains_without_dp_after():
     x, y = _data()
     model = _model()
     cfg = TrainConfig(local_epochs=1, batch_size=16, dp_sgd_noise_multiplier=1.0)
-    train_dp_sgd(model.module, x, y, cfg, seed=2)
-    train_dp_sgd(model.module, x, y, cfg, seed=3)  # wrapping twice must not stack hooks
+    train_dp_sgd(model.module, x, y, cfg)
+    train_dp_sgd(model.module, x, y, cfg)  # wrapping twice must not stack hooks
     for sub in model.module.modules():
         assert not sub._forward_hooks and not sub._backward_hooks
         assert not any(hasattr(p, "grad_sample") and p.grad_sample is not None
@@ -53,11 +53,24 @@ def test_reported_epsilon_matches_dp_accounting():
     x, y = _data(80)
     cfg = TrainConfig(local_epochs=2, batch_size=20, dp_sgd_noise_multiplier=1.1,
                       dp_sgd_delta=1e-5)
-    _, eps = train_dp_sgd(_model().module, x, y, cfg, seed=5)
+    _, eps = train_dp_sgd(_model().module, x, y, cfg)
     q, steps = 20 / 80, 2 * 4
     acc = dp_accounting.rdp.RdpAccountant()
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.1)), steps)
     assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=0.05)
+
+
+def test_noise_and_batches_are_not_replayable_from_the_global_seed():
+    """Two calls from the same model, data and torch seed still draw different noise and
+    batches: nothing of DP-SGD's randomness comes from a seed the server knows."""
+    x, y = _data()
+    cfg = TrainConfig(local_epochs=1, batch_size=16, dp_sgd_noise_multiplier=1.0)
+    results = []
+    for _ in range(2):
+        model = _model()  # seeds torch's global generator as the run seed would
+        train_dp_sgd(model.module, x, y, cfg)
+        results.append(model.vector().copy())
+    assert (results[0] != results[1]).mean() > 0.9
 
 
 def test_bad_dp_sgd_settings_fail_with_a_message():
