@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import ring_workers
-
-from aggregation.ring.launch import launch
+from ring_launch import launch
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
