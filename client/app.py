@@ -73,7 +73,9 @@ class LocalUpdate:
     noised: bool
 
 
-def _first(content: RecordDict, kind: type, preferred: str) -> Any:
+def record_of(content: RecordDict, kind: type, preferred: str) -> Any:
+    """The record named ``preferred`` if it is a ``kind``, else the first ``kind`` in
+    ``content``; WireError when there is none."""
     if preferred in content and isinstance(content[preferred], kind):
         return content[preferred]
     for value in content.values():
@@ -154,11 +156,11 @@ class FedringClient:
 
     def local_update(self, msg: Message, context: Context) -> LocalUpdate:
         """Load the sent model, train on this node's partition; the delta and its metrics."""
-        config = _first(msg.content, ConfigRecord, RecordName.CONFIG)
+        config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
         pid = self._partition_id(context)
         x, y = self._data(worker, pid)
-        record = _first(msg.content, ArrayRecord, RecordName.ARRAYS)
+        record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
         base = model_views(record, model.layout)  # the global model, zero-copy
         flatten_model(base, model.layout, out=model.flat_np)
@@ -210,11 +212,11 @@ class FedringClient:
         return Message(content, reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
-        config = _first(msg.content, ConfigRecord, RecordName.CONFIG)
+        config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
         x, y = self._data(worker, self._partition_id(context))
         model = worker.model
-        read_model(_first(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout,
+        read_model(record_of(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout,
                    out=model.flat_np)
         loss, acc = evaluate(model.module, x, y)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x), "eval_loss": loss, "eval_acc": acc})

@@ -55,7 +55,8 @@ class TrainConfig:
         return self.dp_sgd_noise_multiplier > 0
 
 
-def _optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The local optimizer ``cfg`` names, over ``params``."""
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
@@ -82,7 +83,7 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     gsm = GradSampleModule(module)
     gen = torch.Generator().manual_seed(secrets.randbits(63))  # the batches
     noise = torch.Generator().manual_seed(secrets.randbits(63))
-    opt = DPOptimizer(_optimizer(params, cfg), noise_multiplier=cfg.dp_sgd_noise_multiplier,
+    opt = DPOptimizer(make_optimizer(params, cfg), noise_multiplier=cfg.dp_sgd_noise_multiplier,
                       max_grad_norm=cfg.dp_sgd_max_grad_norm,
                       expected_batch_size=max(1, round(rate * n)), generator=noise)
     accountant = RDPAccountant()
@@ -116,7 +117,7 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     if cfg.proximal_mu > 0 and (global_params is None or len(global_params) != len(params)):
         raise ValueError("FedProx needs the global model's parameters")
     module.train()
-    opt = _optimizer(params, cfg)
+    opt = make_optimizer(params, cfg)
     gen = torch.Generator().manual_seed(seed)
     n = len(x)
     total, steps = 0.0, 0

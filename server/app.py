@@ -63,7 +63,7 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
 
 def round_source(ctx: RunContext, *, secure: SecureSettings | None) -> RoundSource:
     """The round source ``[driver] kind`` names, secure when ``secure`` is given."""
-    scenario, kind = ctx.scenario, ctx.driver.kind
+    scenario, kind = ctx.scenario, ctx.driver_config.kind
     compression = ReplyCompression.of(scenario.compression, secure=secure is not None)
     if kind == "cross_silo":  # the silos aggregate among themselves over a ring
         from server.cross_silo import CrossSiloRounds

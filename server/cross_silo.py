@@ -261,8 +261,6 @@ class CrossSiloRounds(RoundSource):
     """Synchronous rounds whose aggregate the silos compute among themselves over a ring
     (``ring``: the plain ring, or ``server.cross_silo_secure.SecureRing``)."""
 
-    kind = "cross_silo"
-
     def __init__(self, ctx: RunContext, *, silo: SiloConfig, aggregation: AggregationConfig,
                  ring: RingCollector | None = None) -> None:
         self.ctx = ctx
@@ -295,7 +293,7 @@ class CrossSiloRounds(RoundSource):
         """One cross-silo round: send, let the silos aggregate, verify."""
         ctx = self.ctx
         eligible = [n for n in ctx.wait_for_nodes() if n not in self.excluded]
-        order = draw_cohort(eligible, fed=ctx.fed, concurrency=ctx.driver.concurrency,
+        order = draw_cohort(eligible, fed=ctx.fed, concurrency=ctx.driver_config.concurrency,
                             seed=ctx.seed, rnd=rnd, dp=ctx.dp, shuffle=True)
         ctx.reporter.round_started(rnd, len(order))
         return self.ring.collect(self, run_id, rnd, order)
@@ -376,7 +374,7 @@ class CrossSiloRounds(RoundSource):
             return all(now >= joined_at.get(i, failed_at) + grace for i in silent)
 
         collect(self.ctx.grid, node_of,
-                timeout=self.ctx.driver.deadline(self.ctx.fed.round_timeout_s),
+                timeout=self.ctx.driver_config.deadline(self.ctx.fed.round_timeout_s),
                 poll=self.ctx.fed.poll_s, on_reply=take, stop=failed_and_done)
         return replies
 

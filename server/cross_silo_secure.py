@@ -102,7 +102,7 @@ class SecureRing:
             ctx.grid, nodes=order, arrays=ctx.model_record(), config=ctx.train_config(rnd),
             settings=secure.settings, weight_by=rounds.weight_by, dim=ctx.layout.dim,
             session=session_id(run_id), rnd=rnd,
-            timeout=ctx.driver.deadline(ctx.fed.round_timeout_s), poll=ctx.fed.poll_s,
+            timeout=ctx.driver_config.deadline(ctx.fed.round_timeout_s), poll=ctx.fed.poll_s,
             on_reply=lambda i: ctx.reporter.client_done(rnd, i, len(order)), dp=ctx.dp,
             masked_input=stage)
         if stage.failure:

@@ -109,19 +109,18 @@ class FedBuffRounds(RoundSource):
                  mixing: bool = False) -> None:
         if ctx.dp is not None:
             raise ValueError("differential privacy accounting assumes synchronous rounds; "
-                             f"driver.kind '{ctx.driver.kind}' cannot run with [dp]")
+                             f"driver.kind '{ctx.driver_config.kind}' cannot run with [dp]")
         self.ctx = ctx
-        self.kind = ctx.driver.kind
         self.compression = compression
         self.secure = secure
         self.mixing = mixing
-        self.size = 1 if mixing else ctx.driver.buffer_size
-        staleness = ctx.driver.staleness_config()
+        self.size = 1 if mixing else ctx.driver_config.buffer_size
+        staleness = ctx.driver_config.staleness_config()
         self.staleness_fn = staleness.function()
         self.max_staleness = staleness.bound()
         self.by_examples = weight_by == "examples"
         self.inflight = InFlight(ctx.grid, ctx.clock,  # the byte-counting grid
-                                 deadline=ctx.driver.deadline(ctx.fed.round_timeout_s),
+                                 deadline=ctx.driver_config.deadline(ctx.fed.round_timeout_s),
                                  wall_limit=ctx.fed.round_timeout_s, poll=ctx.fed.poll_s)
         self._ready: deque[Event] = deque()
         self._rng = np.random.default_rng([ctx.seed, 0xA5])
@@ -139,7 +138,7 @@ class FedBuffRounds(RoundSource):
         """Fill free concurrency slots with clients that are online and idle."""
         ctx, buffer = self.ctx, self._buffer
         state = ctx.state
-        limit = ctx.driver.concurrency_for(ctx.fed.clients_per_round(len(nodes)))
+        limit = ctx.driver_config.concurrency_for(ctx.fed.clients_per_round(len(nodes)))
         busy = self.inflight.nodes()
         members = buffer.members if buffer is not None else set()
         candidates = [n for n in nodes if n not in busy and str(n) not in members
@@ -253,7 +252,7 @@ class FedBuffRounds(RoundSource):
             return delta
         verdict = next(v for v in buffer.agg.verdicts if v.accepted)
         tau = int(verdict.staleness or 0)
-        mix = self.ctx.driver.alpha * self.staleness_fn(tau)
+        mix = self.ctx.driver_config.alpha * self.staleness_fn(tau)
         # (1 - a) w + a (w_base + delta)  ==  w + a (w_base - w + delta)
         step = self._bases[int(verdict.base_version or 0)] - self.ctx.state.params
         step += delta

@@ -56,7 +56,7 @@ class RunContext:
         self.scenario = scenario
         self.config = dict(scenario.raw)  # the resolved scenario, as stored with the run
         self.fed: FederationConfig = scenario.federation
-        self.driver: DriverConfig = scenario.driver
+        self.driver_config: DriverConfig = scenario.driver
         self.seed = scenario.seed
         self.task = task
         self.pipeline = pipeline
@@ -130,8 +130,6 @@ class RoundResult:
 class RoundSource:
     """Produces the run's rounds; ``RunLoop`` finishes each one. Subclasses implement
     :meth:`next_round` and override the other hooks where they need them."""
-
-    kind = "sync"  # the driver kind, for the run summary
 
     @contextmanager
     def session(self) -> Iterator[None]:

@@ -177,7 +177,7 @@ class RunLoop:
                 f"{dp.config.epsilon_budget:g} (spent {dp.epsilon():.4g})")
 
     def _target_reached(self) -> bool:
-        target = self.ctx.driver.target_accuracy
+        target = self.ctx.driver_config.target_accuracy
         last = self.ctx.state.history[-1] if self.ctx.state.history else {}
         return target > 0 and last.get("accuracy", -1.0) >= target
 
@@ -200,9 +200,9 @@ class RunLoop:
             summary["stop_reason"] = self.stop_reason
         if ctx.grid.down:  # this process's traffic
             summary.update(ctx.grid.totals())
-        summary["driver"] = ctx.driver.kind
+        summary["driver"] = ctx.driver_config.kind
         if ctx.clock.simulated:
             summary["simulated_time"] = round(ctx.clock.now(), 6)
         summary["reached_target"] = (self._target_reached()
-                                     if ctx.driver.target_accuracy > 0 else None)
+                                     if ctx.driver_config.target_accuracy > 0 else None)
         return summary

@@ -89,7 +89,7 @@ class SyncRounds(RoundSource):
                 "be sampled must not depend on earlier cohorts, which the privacy accountant "
                 "assumes: set driver.deadline_s = 0 (or longer than any client's task) and "
                 "clients.offline_fraction = 0, or dp.mode = 'off'")
-        return draw_cohort(population, fed=ctx.fed, concurrency=ctx.driver.concurrency,
+        return draw_cohort(population, fed=ctx.fed, concurrency=ctx.driver_config.concurrency,
                            seed=ctx.seed, rnd=rnd, dp=ctx.dp)
 
 
@@ -195,8 +195,8 @@ class PlainReplies(Collector):
                  records: list[UpdateRecord]) -> tuple[int, list[int]]:
         """Push, wait up to the deadline and hand on-time replies to ``consume``; returns
         (replies, dropped node ids)."""
-        deadline = self.ctx.driver.deadline(self.ctx.fed.round_timeout_s)
-        carry = self.ctx.driver.late_policy == "carry"
+        deadline = self.ctx.driver_config.deadline(self.ctx.fed.round_timeout_s)
+        carry = self.ctx.driver_config.late_policy == "carry"
         if not self.ctx.clock.simulated:
             pending: dict[str, int] = {}
             received, missing = push_and_collect_in_order(

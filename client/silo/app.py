@@ -32,7 +32,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from aggregation.ring import RingError, RingTimeout
-from client.app import FedringClient, LocalUpdate, _first, noise_rng, training_seed
+from client.app import FedringClient, LocalUpdate, noise_rng, record_of, training_seed
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
 from client.protocol.keys import ConfigKey, MetricKey, RecordName
@@ -155,13 +155,13 @@ class SiloClient(FedringClient):
 
     def local_update(self, msg: Message, context: Context) -> LocalUpdate:
         """Load the sent model, train on the silo's partition; the delta and its metrics."""
-        config = _first(msg.content, ConfigRecord, RecordName.CONFIG)
+        config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         key = self._task_key(config, context)
         worker = self.workers.get(key, context.node_id)
         pid = self._partition_id(context)
         x, y = worker.partition(pid)
         model, cfg = worker.model, worker.task.train_config
-        base = model_views(_first(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout)
+        base = model_views(record_of(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout)
         flatten_model(base, model.layout, out=model.flat_np)
         delta = worker.delta
         np.copyto(delta, model.flat_np)  # the global model, until the delta replaces it

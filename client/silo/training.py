@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from client.training import TrainConfig, _optimizer
+from client.training import TrainConfig, make_optimizer
 
 
 def check_silo_training(cfg: TrainConfig) -> None:
@@ -46,7 +46,7 @@ def train_ddp(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: Tr
     params = [p for p in module.parameters() if p.requires_grad]
     start = [p.detach().clone() for p in params] if cfg.proximal_mu > 0 else []
     module.train()
-    opt = _optimizer(params, cfg)
+    opt = make_optimizer(params, cfg)
     gen = torch.Generator().manual_seed(seed)
     n = len(x)
     local = torch.zeros((), dtype=torch.float64, device=device)  # this rank's share of losses
