@@ -19,6 +19,7 @@ from server.dp import dp_controller
 from server.fedbuff import FedBuffRounds
 from server.reporter import LogReporter, Reporter
 from server.rounds import RoundSource, RunContext
+from server.rules import check_rules
 from server.run_loop import RunLoop
 from server.scenario import ServerScenario
 from server.secure_round import SecureSettings, SecureSum, make_secure_settings
@@ -44,6 +45,7 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     cross-silo), which ``server.run_loop.RunLoop`` drives; ``clock`` is a simulated clock in
     simulations, else the wall clock is used.
     """
+    check_rules(config)  # a configuration made by hand is refused before any round too
     scenario = ServerScenario.of(config)  # the typed sections, parsed once
     dp = dp_controller(scenario.dp, scenario.federation) if scenario.dp.enabled else None
     audit = make_audit(scenario, dp)  # None without [audit]: no canary enters the run

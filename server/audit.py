@@ -23,7 +23,7 @@ from ``theta_T - theta_0``; its delta is the run's ``dp.delta``, or 1e-5 without
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from aggregation import PostStage
 from privacy.dp.audit import AuditEstimate, audit_epsilon, canary_entropy, random_canaries
-from server.config import LINEAR_COMBINES, FederationConfig
+from server.config import FederationConfig
 
 if TYPE_CHECKING:
     from server.dp import DPController
@@ -59,35 +59,6 @@ class AuditConfig:
     @property
     def enabled(self) -> bool:
         return self.canaries > 0
-
-
-def check_audit(config: Mapping[str, Any]) -> AuditConfig | None:
-    """The run's audit settings, or None when off; combinations the canaries cannot take
-    part in fail with a message naming the key to change."""
-    audit = AuditConfig(**config.get("audit", {}))
-    if not audit.enabled:
-        return None
-    kind = config.get("driver", {}).get("kind", "sync")
-    if kind != "sync":
-        raise ValueError(f"[audit] canaries take part in sync rounds only; driver.kind is "
-                         f"'{kind}': set driver.kind = 'sync' or audit.canaries = 0")
-    combine = config["aggregation"]["combine"]
-    if combine not in LINEAR_COMBINES:
-        raise ValueError(f"[audit] adds canaries to a linear aggregate; aggregation.combine "
-                         f"'{combine}' is not one: use 'mean' or 'sum', or audit.canaries = 0")
-    mode = config.get("dp", {}).get("mode", "off")
-    if mode == "local":
-        raise ValueError("[audit] does not support dp.mode = 'local' (each canary would "
-                         "need its own local noise): use central or distributed DP, or "
-                         "audit.canaries = 0")
-    if mode != "off" and audit.canary_norm > 0:
-        raise ValueError("audit.canary_norm is for runs without DP; with DP each canary "
-                         "has the clip norm dp.clip: remove audit.canary_norm")
-    secure = bool(config.get("secagg", {}).get("enabled", False))
-    if mode == "off" and secure and audit.canary_norm == 0:
-        raise ValueError("[audit] without DP under secure aggregation needs audit.canary_norm "
-                         "> 0: the server sees no single update's norm to size canaries by")
-    return audit
 
 
 def sampling_rate(fed: FederationConfig) -> float:
@@ -179,11 +150,9 @@ class CanaryAudit(PostStage):
 
 
 def make_audit(scenario: ServerScenario, dp: DPController | None) -> CanaryAudit | None:
-    """The run's canary stage, or None without ``[audit]`` (or with ``canaries = 0``);
-    ValueError for a combination canaries cannot take part in (checked for a config made
-    by hand too)."""
-    audit = check_audit(scenario.raw)
-    if audit is None:
+    """The run's canary stage, or None without ``[audit]`` (or with ``canaries = 0``); the
+    combinations canaries cannot take part in are refused by ``server.rules``."""
+    if not scenario.audit.enabled:
         return None
-    return CanaryAudit(audit, rate=sampling_rate(scenario.federation),
+    return CanaryAudit(scenario.audit, rate=sampling_rate(scenario.federation),
                        combine=scenario.aggregation.combine, dp=dp)

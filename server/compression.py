@@ -37,76 +37,12 @@ import numpy as np
 
 from aggregation.compression import CompressionConfig, RoundCodec
 from client.protocol.compression import CompressionRequest
-from privacy.secagg import max_scale
-from privacy.secagg.quantize import max_level
-from server.secagg_config import SecAggScenarioConfig, max_round_size
 
 SECURE_MIN_BITS = 8  # the secure path's least resolution per coordinate (MIN_LEVEL_BITS)
 
 
 def compression_config(config: Mapping[str, Any]) -> CompressionConfig:
     return CompressionConfig(**dict(config.get("compression") or {}))
-
-
-def check_compression(config: dict[str, Any], raw_secagg: Mapping[str, Any]) -> None:
-    """Refuse combinations that cannot work; with secagg and QSGD, resolve ``[secagg]``'s
-    ``bits`` and ``rounding`` in ``config`` (``raw_secagg``: the keys the user set)."""
-    cfg = compression_config(config)
-    if not cfg.enabled:
-        return
-    secure = bool(config.get("secagg", {}).get("enabled", False))
-    driver = dict(config.get("driver", {}))
-    if driver.get("kind", "sync") == "cross_silo":
-        return  # the cross-silo check refuses it with its own message
-    if cfg.shared_pattern and driver.get("late_policy", "drop") == "carry":
-        raise ValueError("compression.shared_pattern ties the coordinates to one round, so a "
-                         "late update carried into the next round would not line up: set "
-                         "driver.late_policy = 'drop'")
-    if not secure:
-        return
-    if cfg.kind == "topk":
-        if not cfg.shared_pattern:
-            raise ValueError("compression.kind = 'topk' with secagg: each client keeps other "
-                             "coordinates, so the masked sum cannot line up; set "
-                             "compression.shared_pattern = true (every client sends the same "
-                             "coordinates) or use compression.kind = 'qsgd'")
-        if dict(config.get("dp", {})).get("mode", "off") == "distributed":
-            raise ValueError("compression.shared_pattern with dp.mode = 'distributed': "
-                             "distributed DP encodes the whole vector; set compression.kind = "
-                             "'none' or dp.mode = 'central'")
-        return
-    _resolve_secure_qsgd(config, cfg, raw_secagg)
-
-
-def _resolve_secure_qsgd(config: dict[str, Any], cfg: CompressionConfig,
-                         raw_secagg: Mapping[str, Any]) -> None:
-    """Secure QSGD: stochastic rounding and the smallest modulus for ``cfg.bits`` levels."""
-    mode = dict(config.get("dp", {})).get("mode", "off")
-    if mode == "distributed":
-        raise ValueError("compression.kind = 'qsgd' with dp.mode = 'distributed': distributed "
-                         "DP picks its own integer encoding; set compression.kind = 'none'")
-    if cfg.bits < SECURE_MIN_BITS:
-        raise ValueError(f"compression.bits = {cfg.bits} with secagg: the secure sum keeps at "
-                         f"least {SECURE_MIN_BITS} bits per coordinate; set compression.bits "
-                         f">= {SECURE_MIN_BITS}, or turn secagg off")
-    for key in ("bits", "scale"):
-        if key in raw_secagg:
-            raise ValueError(f"compression.kind = 'qsgd' with secagg sets secagg.{key} from "
-                             f"compression.bits: drop secagg.{key}")
-    if raw_secagg.get("rounding", "stochastic") != "stochastic":
-        raise ValueError("compression.kind = 'qsgd' rounds stochastically (unbiased): drop "
-                         "secagg.rounding = 'nearest'")
-    secagg = config["secagg"]
-    settings = SecAggScenarioConfig.from_dict(secagg)
-    n = max(2, max_round_size(config))
-    cap = settings.weight_cap(config["aggregation"]["weight_by"])
-    c = settings.clip_range
-    need = next((b for b in range(SECURE_MIN_BITS, 65)
-                 if max_level(c, max_scale(n, b, c, cap), cap) >= 1 << cfg.bits), None)
-    if need is None:
-        raise ValueError(f"compression.bits = {cfg.bits}: no secagg modulus up to 2^64 gives "
-                         f"{n} clients that many levels; lower compression.bits")
-    secagg.update(bits=need, rounding="stochastic")
 
 
 def session_number(run_id: str) -> int:

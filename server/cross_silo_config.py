@@ -1,6 +1,6 @@
 """The ``[silo]`` scenario section: how silos meet over the ring in cross-silo rounds.
 
-Cross-silo rounds run with ``[driver] kind = "cross_silo"``; ``check_cross_silo`` refuses
+Cross-silo rounds run with ``[driver] kind = "cross_silo"``; ``server.rules.check_cross_silo`` refuses
 the combinations the ring cannot honour, at start, naming the key to change. With
 ``[secagg] enabled`` the ring sums masked vectors (``server.cross_silo_secure``); the
 ``[secagg]`` and ``[dp]`` checks then apply as for sync secure rounds.
@@ -8,9 +8,7 @@ the combinations the ring cannot honour, at start, naming the key to change. Wit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from aggregation.ring import ALGORITHMS
 from server.config import check_choice
@@ -57,43 +55,3 @@ class SiloConfig:
         on a stalled ring (``ring_timeout_s``) before it gives up and reports, plus 5 s.
         Counted from when it joined the rendezvous, so the server never gives up first."""
         return self.join_timeout_s + self.ring_timeout_s + 5.0
-
-
-def check_cross_silo(config: Mapping[str, Any]) -> SiloConfig | None:
-    """The ``[silo]`` settings of a cross-silo scenario (None for other drivers), or a clear
-    error for a combination the ring cannot run."""
-    from server.config import FederationConfig
-    from server.driver_config import DriverConfig
-
-    driver = DriverConfig(**config.get("driver", {}))
-    if driver.kind != CROSS_SILO:
-        return None
-    silo = SiloConfig(**config.get("silo", {}))
-    agg = config["aggregation"]
-    if agg["combine"] not in ("mean", "sum"):
-        raise ValueError(f"driver.kind 'cross_silo' sums the silos' updates over a ring, so "
-                         f"the server never sees one; aggregation.combine "
-                         f"'{agg['combine']}' needs them all: use 'mean' or 'sum'")
-    dp_mode = config.get("dp", {}).get("mode", "off")
-    secure = bool(config.get("secagg", {}).get("enabled"))
-    if dp_mode == "central" and not secure:
-        raise ValueError("dp.mode 'central' clips individual updates on the server, which "
-                         "never sees them with driver.kind 'cross_silo': set secagg.enabled "
-                         "= true (each silo clips its own update under the masks, the server "
-                         "noises the sum), or use dp.mode = 'local' or 'distributed' (with "
-                         "secagg)")
-    if config.get("compression", {}).get("kind", "none") != "none":
-        raise ValueError("driver.kind 'cross_silo' sums dense deltas over the ring; upload "
-                         "compression does not apply: set compression.kind = 'none'")
-    if driver.late_policy != "drop":
-        raise ValueError("driver.late_policy 'carry' has no meaning for cross-silo rounds: a "
-                         "ring waits for every silo or fails; set it to 'drop'")
-    fed = FederationConfig(**config["federation"])
-    deadline = driver.deadline(fed.round_timeout_s)
-    if deadline <= silo.join_timeout_s + silo.ring_timeout_s:
-        raise ValueError(f"the server waits {deadline:g} s for a cross-silo round "
-                         f"(driver.deadline_s, else federation.round_timeout_s), not more than "
-                         f"silo.join_timeout_s + silo.ring_timeout_s = "
-                         f"{silo.join_timeout_s + silo.ring_timeout_s:g} s: raise it or lower "
-                         "those")
-    return silo

@@ -7,11 +7,9 @@ pipeline applies); ``[clients]`` describes simulated client speed and availabili
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from server.config import AggregationConfig, FederationConfig, StalenessConfig, check_choice
+from server.config import StalenessConfig, check_choice
 
 DRIVER_KINDS = ("sync", "fedasync", "fedbuff", "cross_silo")
 LATE_POLICIES = ("drop", "carry")
@@ -117,30 +115,3 @@ class ClientsConfig:
                              f"{self.straggler_slowdown}")
         if not (self.online_s > 0 and self.offline_s > 0):
             raise ValueError("clients.online_s and clients.offline_s must be > 0")
-
-
-def check_driver(config: Mapping[str, Any]) -> None:
-    """Cross-section checks of a resolved scenario's ``[driver]`` (a clear error if bad)."""
-    driver = DriverConfig(**config.get("driver", {}))
-    fed = FederationConfig(**config["federation"])
-    agg = AggregationConfig(**config["aggregation"])
-    if driver.concurrency > fed.clients:
-        raise ValueError(f"driver.concurrency ({driver.concurrency}) exceeds federation.clients "
-                         f"({fed.clients})")
-    if driver.kind == "fedbuff":
-        if driver.buffer_size > fed.clients:
-            raise ValueError(f"driver.buffer_size ({driver.buffer_size}) exceeds "
-                             f"federation.clients ({fed.clients}): a client adds at most one "
-                             "update to a buffer")
-        agg.check_clients(driver.buffer_size)
-    elif driver.kind == "fedasync" and agg.combine != "mean":
-        raise ValueError(f"driver.kind 'fedasync' mixes in one update at a time and needs "
-                         f"aggregation.combine 'mean', got '{agg.combine}'")
-    if driver.is_async and config.get("dp", {}).get("mode", "off") != "off":
-        raise ValueError(f"driver.kind '{driver.kind}' cannot run with [dp]: the privacy "
-                         "accountant assumes synchronous rounds")
-    if driver.kind == "fedasync" and config.get("secagg", {}).get("enabled"):
-        raise ValueError(FEDASYNC_SECAGG)
-    if driver.late_policy == "carry" and driver.is_async:
-        raise ValueError("driver.late_policy 'carry' is for the sync driver; the async "
-                         "drivers take every update that arrives")

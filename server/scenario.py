@@ -14,6 +14,7 @@ from typing import Any
 
 from aggregation.compression import CompressionConfig
 from privacy.dp import DPConfig
+from server.audit import AuditConfig
 from server.config import AggregationConfig, FederationConfig
 from server.cross_silo_config import SiloConfig
 from server.driver_config import DriverConfig
@@ -33,6 +34,7 @@ class ServerScenario:
     secagg: SecAggScenarioConfig
     compression: CompressionConfig
     silo: SiloConfig
+    audit: AuditConfig
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> ServerScenario:
@@ -47,4 +49,5 @@ class ServerScenario:
                    dp=DPConfig.from_dict(section("dp")),
                    secagg=SecAggScenarioConfig.from_dict(section("secagg")),
                    compression=CompressionConfig(**section("compression")),
-                   silo=SiloConfig(**section("silo")))
+                   silo=SiloConfig(**section("silo")),
+                   audit=AuditConfig(**section("audit")))

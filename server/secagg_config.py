@@ -43,9 +43,8 @@ from privacy.secagg.policy import (
     MIN_SURVIVORS,
     SecAggPolicy,
 )
-from privacy.secagg.quantize import max_level
 from server.config import FederationConfig
-from server.driver_config import FEDASYNC_SECAGG, DriverConfig
+from server.driver_config import DriverConfig
 
 ROUNDINGS = ("nearest", "stochastic")
 MIN_LEVEL_BITS = 8  # a client's coordinate must keep at least this many bits of resolution
@@ -173,67 +172,6 @@ class SecAggScenarioConfig:
             check_headroom(n, self.bits, self.clip_range, cap, scale=self.scale)
             return float(self.scale)
         return max_scale(n, self.bits, self.clip_range, cap)
-
-
-def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
-    """The ``[secagg]`` settings if enabled (else None); ValueError for what cannot run."""
-    cfg = SecAggScenarioConfig.from_dict(config.get("secagg"))
-    if not cfg.enabled:
-        return None
-    agg = config["aggregation"]
-    if agg["combine"] not in ("mean", "sum"):
-        raise ValueError(f"secagg is on, so the server only ever sees the weighted sum of the "
-                         f"updates, never one update: aggregation.combine = "
-                         f"'{agg['combine']}' needs each update and cannot run on a sum; use "
-                         "'mean' or 'sum', or turn secagg off")
-    if agg.get("max_norm", 0):
-        raise ValueError("secagg is on, so the server cannot see an update to check its norm: "
-                         "set aggregation.max_norm = 0 (secagg.clip_range bounds each "
-                         "coordinate instead)")
-    mode = dict(config.get("dp", {})).get("mode", "off")
-    if mode == "local":
-        raise ValueError("dp.mode = 'local' together with secagg is not supported: use "
-                         "dp.mode = 'distributed' (each client adds integer noise under the "
-                         "masks) or 'central' (clients clip, the server noises the sum)")
-    driver = dict(config.get("driver", {}))
-    kind = driver.get("kind", "sync")
-    if kind == "fedasync":
-        raise ValueError(FEDASYNC_SECAGG)
-    if kind not in ("sync", "fedbuff", "cross_silo") or \
-            driver.get("late_policy", "drop") != "drop":
-        raise ValueError(f"secagg runs in synchronous rounds that drop late clients or in "
-                         f"FedBuff's buffers; driver.kind = '{kind}' with driver.late_policy "
-                         f"= '{driver.get('late_policy')}' is not supported with it")
-    if dict(config.get("clients", {})).get("offline_fraction", 0):
-        raise ValueError("secagg does not simulate clients going offline through "
-                         "clients.offline_fraction; set it to 0 and use secagg.dropout")
-    n, least = max_round_size(config), cfg.min_survivors
-    if kind == "fedbuff" and n < least:  # one secure sum per buffer of buffer_size updates
-        raise ValueError(f"secure FedBuff sums each buffer under secagg, which needs at "
-                         f"least secagg.min_survivors = {least} updates: raise "
-                         f"driver.buffer_size (got {n}) to >= {least}")
-    if n < least:
-        raise ValueError(f"secagg needs at least secagg.min_survivors = {least} clients per "
-                         f"round, the federation samples {n}: raise federation.clients or "
-                         "federation.sample_fraction")
-    cfg.graph(n)  # e.g. a threshold count above k
-    if mode == "distributed":  # no fixed-point encoding: the DP plan checks the headroom
-        return cfg
-    cap = cfg.weight_cap(agg["weight_by"])
-    try:
-        scale = cfg.scale_for(n, agg["weight_by"])
-    except ValueError as exc:
-        raise ValueError(f"secagg: the masked sum could wrap around 2^{cfg.bits}: {exc}") \
-            from None
-    level = max_level(cfg.clip_range, scale, cap)
-    if level < 1 << MIN_LEVEL_BITS:
-        need = next((b for b in range(cfg.bits + 1, 65) if max_level(
-            cfg.clip_range, max_scale(n, b, cfg.clip_range, cap), cap) >= 1 << MIN_LEVEL_BITS),
-            64)
-        raise ValueError(f"secagg.bits = {cfg.bits} leaves {level} quantization levels per "
-                         f"coordinate for {n} clients (fewer than 2^{MIN_LEVEL_BITS}): raise "
-                         f"secagg.bits to >= {need}")
-    return cfg
 
 
 def max_round_size(config: Mapping[str, Any]) -> int:

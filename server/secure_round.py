@@ -467,11 +467,11 @@ def secure_result(outcome: SecureRoundOutcome, aggregate: np.ndarray | None, *,
 
 
 def make_secure_settings(scenario: ServerScenario) -> SecureSettings | None:
-    """The secure aggregation of a resolved scenario, or None when secagg is off;
-    ValueError for a combination that cannot run (a config made by hand is checked too)."""
-    from server.secagg_config import check_secagg, max_round_size
+    """The secure aggregation of a resolved scenario (checked by ``server.rules``), or None
+    when secagg is off."""
+    from server.secagg_config import max_round_size
 
-    if check_secagg(scenario.raw) is None:
+    if not scenario.secagg.enabled:
         return None
     agg, compression = scenario.aggregation, scenario.compression
     return SecureSettings(scenario.secagg, combine=agg.combine, weight_by=agg.weight_by,

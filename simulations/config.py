@@ -16,9 +16,7 @@ from typing import Any
 from aggregation.compression import CompressionConfig
 from client.training import TrainConfig
 from privacy.dp import DPConfig
-from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
-from server.audit import AuditConfig, check_audit
-from server.compression import check_compression
+from server.audit import AuditConfig
 from server.config import (
     STALENESS_KEYS,
     AggregationConfig,
@@ -26,10 +24,10 @@ from server.config import (
     check_choice,
     from_section,
 )
-from server.cross_silo_config import SiloConfig, check_cross_silo
-from server.dp import dp_controller
-from server.driver_config import ClientsConfig, DriverConfig, check_driver
-from server.secagg_config import SecAggScenarioConfig, check_secagg
+from server.cross_silo_config import SiloConfig
+from server.driver_config import ClientsConfig, DriverConfig
+from server.rules import check_rules
+from server.secagg_config import SecAggScenarioConfig
 from simulations.attacks import AttackConfig, check_attack
 from simulations.datasets import dataset_names
 from simulations.models import model_names
@@ -147,74 +145,10 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     config["model"] = model
     fed = FederationConfig(**config["federation"])
     AggregationConfig(**config["aggregation"]).check_clients(fed.max_per_round())
-    dp = DPConfig.from_dict(raw.get("dp", {}))
-    config["dp"] = dp.to_dict()
-    check_compression(config, raw.get("secagg", {}))  # may resolve [secagg] bits for QSGD
-    check_dp(config, dp, fed)
-    check_driver(config)
-    check_cross_silo(config)  # before [secagg]: its own message says why the ring refuses it
-    check_secagg(config)
+    config["dp"] = DPConfig.from_dict(raw.get("dp", {})).to_dict()
+    check_rules(config, raw.get("secagg", {}))  # may resolve [secagg] bits for QSGD
     check_attack(config)
-    check_audit(config)
     return config
-
-
-def check_dp(config: Mapping[str, Any], dp: DPConfig, fed: FederationConfig) -> None:
-    """Combinations that would break the privacy analysis fail at start."""
-    if not dp.enabled:
-        return
-    agg = config["aggregation"]
-    secure = bool(config.get("secagg", {}).get("enabled", False))
-    if dp.mode == "distributed":
-        if not secure:
-            raise ValueError("dp.mode='distributed' adds integer noise under secure "
-                             "aggregation: set secagg.enabled = true (or use dp.mode='central')")
-        if dp.adaptive:
-            raise ValueError("dp.clip='adaptive' needs a noised count of clipped clients, "
-                             "which distributed DP does not compute: set a numeric dp.clip")
-        bits = int(config["secagg"]["bits"])
-        if bits > DISTRIBUTED_MAX_BITS:
-            raise ValueError(f"secagg.bits = {bits}: distributed DP decodes integer sums "
-                             f"exactly only up to {DISTRIBUTED_MAX_BITS} bits; set secagg.bits "
-                             f"<= {DISTRIBUTED_MAX_BITS}")
-    if dp.mode == "central" and dp.adaptive and secure:
-        raise ValueError("dp.clip='adaptive' needs the server to count the clipped updates, "
-                         "which it cannot see under secure aggregation: set a numeric dp.clip "
-                         "or turn secagg off")
-    if dp.mode in ("central", "distributed"):
-        if agg["weight_by"] != "uniform":
-            raise ValueError(f"{dp.mode} DP bounds each client's effect on the sum by the clip "
-                             "norm, which weighting by example count breaks: set "
-                             "aggregation.weight_by = 'uniform'")
-        if agg["combine"] not in ("mean", "sum"):
-            raise ValueError(f"{dp.mode} DP noises a sum of clipped updates; "
-                             f"aggregation.combine='{agg['combine']}' is not a sum: use 'mean'")
-    check_dp_sampling(config, fed)
-    dp_controller(dp, fed)  # the accountant refuses unsupported sampling/accountant pairs
-
-
-def check_dp_sampling(config: Mapping[str, Any], fed: FederationConfig) -> None:
-    """Features under which the cohorts are not the uniform draw the accountant charges
-    (who can be sampled would depend on earlier secret cohorts, or a Poisson cohort would
-    be cut to a size) fail at start; see ``server.dp``."""
-    driver, clients = config.get("driver", {}), config.get("clients", {})
-    if driver.get("late_policy") == "carry":
-        raise ValueError("driver.late_policy = 'carry' with [dp]: a carried update enters a "
-                         "later round's sum and its client is left out of the cohorts "
-                         "meanwhile, which the privacy accountant does not model; set "
-                         "driver.late_policy = 'drop'")
-    if clients.get("offline_fraction", 0.0) > 0:
-        raise ValueError("clients.offline_fraction > 0 with [dp]: cohorts would be drawn from "
-                         "the clients online at a time that depends on earlier cohorts, "
-                         "which the privacy accountant does not model; set "
-                         "clients.offline_fraction = 0")
-    cap = int(driver.get("concurrency", 0))
-    if fed.sampling == "poisson" and 0 < cap < fed.clients:
-        raise ValueError(f"driver.concurrency = {cap} with [dp] and federation.sampling = "
-                         "'poisson': cutting a Poisson cohort to a cap is no longer Poisson "
-                         "sampling, which the accountant charges; set driver.concurrency = 0 "
-                         "or federation.sampling = 'fixed'")
-
 
 
 def load_scenario(name_or_path: str = "default", overrides: Iterable[str] = (), *,

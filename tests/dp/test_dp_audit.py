@@ -19,7 +19,8 @@ from privacy.dp.audit import (
     gaussian_mechanism_epsilon,
     random_canaries,
 )
-from server.audit import AuditConfig, CanaryAudit, check_audit, sampling_rate
+from server.audit import AuditConfig, CanaryAudit, sampling_rate
+from server.rules import check_audit
 from server.config import AggregationConfig, FederationConfig
 from server.dp import DPController
 from simulations.config import load_scenario

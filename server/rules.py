@@ -1,0 +1,314 @@
+"""Cross-section rules of a scenario: combinations that cannot run fail at start.
+
+Each section's own keys are checked by its typed dataclass (``server.config``,
+``server.driver_config``, ``server.secagg_config``, ...); what depends on several
+sections lives here, in the order :func:`check_rules` applies it, so that the first
+message names the key to change. ``simulations.config`` applies them when it resolves a
+scenario, and the ServerApp again at start, for a configuration made by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from aggregation.compression import CompressionConfig
+from privacy.dp import DPConfig
+from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
+from privacy.secagg import max_scale
+from privacy.secagg.quantize import max_level
+from server.audit import AuditConfig
+from server.compression import SECURE_MIN_BITS, compression_config
+from server.config import LINEAR_COMBINES, AggregationConfig, FederationConfig
+from server.cross_silo_config import CROSS_SILO, SiloConfig
+from server.dp import dp_controller
+from server.driver_config import FEDASYNC_SECAGG, DriverConfig
+from server.secagg_config import MIN_LEVEL_BITS, SecAggScenarioConfig, max_round_size
+
+
+def check_rules(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None = None) -> None:
+    """Every cross-section rule of a resolved ``config``, in order (ValueError naming the
+    key); ``raw_secagg``: the ``[secagg]`` keys the user wrote, to resolve secure QSGD's
+    modulus in ``config`` (None: already resolved)."""
+    fed = FederationConfig(**config["federation"])
+    dp = DPConfig.from_dict(config.get("dp", {}))
+    check_compression(config, raw_secagg)  # may resolve [secagg] bits for QSGD
+    check_dp(config, dp, fed)
+    check_driver(config)
+    check_cross_silo(config)  # before [secagg]: its own message says why the ring refuses it
+    check_secagg(config)
+    check_audit(config)
+
+
+def check_compression(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None) -> None:
+    """Refuse combinations that cannot work; with secagg and QSGD, resolve ``[secagg]``'s
+    ``bits`` and ``rounding`` in ``config`` (``raw_secagg``: the keys the user set; None
+    for a scenario already resolved, whose modulus is left as it is)."""
+    cfg = compression_config(config)
+    if not cfg.enabled:
+        return
+    secure = bool(config.get("secagg", {}).get("enabled", False))
+    driver = dict(config.get("driver", {}))
+    if driver.get("kind", "sync") == "cross_silo":
+        return  # the cross-silo check refuses it with its own message
+    if cfg.shared_pattern and driver.get("late_policy", "drop") == "carry":
+        raise ValueError("compression.shared_pattern ties the coordinates to one round, so a "
+                         "late update carried into the next round would not line up: set "
+                         "driver.late_policy = 'drop'")
+    if not secure:
+        return
+    if cfg.kind == "topk":
+        if not cfg.shared_pattern:
+            raise ValueError("compression.kind = 'topk' with secagg: each client keeps other "
+                             "coordinates, so the masked sum cannot line up; set "
+                             "compression.shared_pattern = true (every client sends the same "
+                             "coordinates) or use compression.kind = 'qsgd'")
+        if dict(config.get("dp", {})).get("mode", "off") == "distributed":
+            raise ValueError("compression.shared_pattern with dp.mode = 'distributed': "
+                             "distributed DP encodes the whole vector; set compression.kind = "
+                             "'none' or dp.mode = 'central'")
+        return
+    if raw_secagg is not None:
+        _resolve_secure_qsgd(config, cfg, raw_secagg)
+
+
+def _resolve_secure_qsgd(config: dict[str, Any], cfg: CompressionConfig,
+                         raw_secagg: Mapping[str, Any]) -> None:
+    """Secure QSGD: stochastic rounding and the smallest modulus for ``cfg.bits`` levels."""
+    mode = dict(config.get("dp", {})).get("mode", "off")
+    if mode == "distributed":
+        raise ValueError("compression.kind = 'qsgd' with dp.mode = 'distributed': distributed "
+                         "DP picks its own integer encoding; set compression.kind = 'none'")
+    if cfg.bits < SECURE_MIN_BITS:
+        raise ValueError(f"compression.bits = {cfg.bits} with secagg: the secure sum keeps at "
+                         f"least {SECURE_MIN_BITS} bits per coordinate; set compression.bits "
+                         f">= {SECURE_MIN_BITS}, or turn secagg off")
+    for key in ("bits", "scale"):
+        if key in raw_secagg:
+            raise ValueError(f"compression.kind = 'qsgd' with secagg sets secagg.{key} from "
+                             f"compression.bits: drop secagg.{key}")
+    if raw_secagg.get("rounding", "stochastic") != "stochastic":
+        raise ValueError("compression.kind = 'qsgd' rounds stochastically (unbiased): drop "
+                         "secagg.rounding = 'nearest'")
+    secagg = config["secagg"]
+    settings = SecAggScenarioConfig.from_dict(secagg)
+    n = max(2, max_round_size(config))
+    cap = settings.weight_cap(config["aggregation"]["weight_by"])
+    c = settings.clip_range
+    need = next((b for b in range(SECURE_MIN_BITS, 65)
+                 if max_level(c, max_scale(n, b, c, cap), cap) >= 1 << cfg.bits), None)
+    if need is None:
+        raise ValueError(f"compression.bits = {cfg.bits}: no secagg modulus up to 2^64 gives "
+                         f"{n} clients that many levels; lower compression.bits")
+    secagg.update(bits=need, rounding="stochastic")
+
+
+def check_dp(config: Mapping[str, Any], dp: DPConfig, fed: FederationConfig) -> None:
+    """Combinations that would break the privacy analysis fail at start."""
+    if not dp.enabled:
+        return
+    agg = config["aggregation"]
+    secure = bool(config.get("secagg", {}).get("enabled", False))
+    if dp.mode == "distributed":
+        if not secure:
+            raise ValueError("dp.mode='distributed' adds integer noise under secure "
+                             "aggregation: set secagg.enabled = true (or use dp.mode='central')")
+        if dp.adaptive:
+            raise ValueError("dp.clip='adaptive' needs a noised count of clipped clients, "
+                             "which distributed DP does not compute: set a numeric dp.clip")
+        bits = int(config["secagg"]["bits"])
+        if bits > DISTRIBUTED_MAX_BITS:
+            raise ValueError(f"secagg.bits = {bits}: distributed DP decodes integer sums "
+                             f"exactly only up to {DISTRIBUTED_MAX_BITS} bits; set secagg.bits "
+                             f"<= {DISTRIBUTED_MAX_BITS}")
+    if dp.mode == "central" and dp.adaptive and secure:
+        raise ValueError("dp.clip='adaptive' needs the server to count the clipped updates, "
+                         "which it cannot see under secure aggregation: set a numeric dp.clip "
+                         "or turn secagg off")
+    if dp.mode in ("central", "distributed"):
+        if agg["weight_by"] != "uniform":
+            raise ValueError(f"{dp.mode} DP bounds each client's effect on the sum by the clip "
+                             "norm, which weighting by example count breaks: set "
+                             "aggregation.weight_by = 'uniform'")
+        if agg["combine"] not in ("mean", "sum"):
+            raise ValueError(f"{dp.mode} DP noises a sum of clipped updates; "
+                             f"aggregation.combine='{agg['combine']}' is not a sum: use 'mean'")
+    check_dp_sampling(config, fed)
+    dp_controller(dp, fed)  # the accountant refuses unsupported sampling/accountant pairs
+
+
+def check_dp_sampling(config: Mapping[str, Any], fed: FederationConfig) -> None:
+    """Features under which the cohorts are not the uniform draw the accountant charges
+    (who can be sampled would depend on earlier secret cohorts, or a Poisson cohort would
+    be cut to a size) fail at start; see ``server.dp``."""
+    driver, clients = config.get("driver", {}), config.get("clients", {})
+    if driver.get("late_policy") == "carry":
+        raise ValueError("driver.late_policy = 'carry' with [dp]: a carried update enters a "
+                         "later round's sum and its client is left out of the cohorts "
+                         "meanwhile, which the privacy accountant does not model; set "
+                         "driver.late_policy = 'drop'")
+    if clients.get("offline_fraction", 0.0) > 0:
+        raise ValueError("clients.offline_fraction > 0 with [dp]: cohorts would be drawn from "
+                         "the clients online at a time that depends on earlier cohorts, "
+                         "which the privacy accountant does not model; set "
+                         "clients.offline_fraction = 0")
+    cap = int(driver.get("concurrency", 0))
+    if fed.sampling == "poisson" and 0 < cap < fed.clients:
+        raise ValueError(f"driver.concurrency = {cap} with [dp] and federation.sampling = "
+                         "'poisson': cutting a Poisson cohort to a cap is no longer Poisson "
+                         "sampling, which the accountant charges; set driver.concurrency = 0 "
+                         "or federation.sampling = 'fixed'")
+
+
+def check_driver(config: Mapping[str, Any]) -> None:
+    """Cross-section checks of a resolved scenario's ``[driver]`` (a clear error if bad)."""
+    driver = DriverConfig(**config.get("driver", {}))
+    fed = FederationConfig(**config["federation"])
+    agg = AggregationConfig(**config["aggregation"])
+    if driver.concurrency > fed.clients:
+        raise ValueError(f"driver.concurrency ({driver.concurrency}) exceeds federation.clients "
+                         f"({fed.clients})")
+    if driver.kind == "fedbuff":
+        if driver.buffer_size > fed.clients:
+            raise ValueError(f"driver.buffer_size ({driver.buffer_size}) exceeds "
+                             f"federation.clients ({fed.clients}): a client adds at most one "
+                             "update to a buffer")
+        agg.check_clients(driver.buffer_size)
+    elif driver.kind == "fedasync" and agg.combine != "mean":
+        raise ValueError(f"driver.kind 'fedasync' mixes in one update at a time and needs "
+                         f"aggregation.combine 'mean', got '{agg.combine}'")
+    if driver.is_async and config.get("dp", {}).get("mode", "off") != "off":
+        raise ValueError(f"driver.kind '{driver.kind}' cannot run with [dp]: the privacy "
+                         "accountant assumes synchronous rounds")
+    if driver.kind == "fedasync" and config.get("secagg", {}).get("enabled"):
+        raise ValueError(FEDASYNC_SECAGG)
+    if driver.late_policy == "carry" and driver.is_async:
+        raise ValueError("driver.late_policy 'carry' is for the sync driver; the async "
+                         "drivers take every update that arrives")
+
+
+def check_cross_silo(config: Mapping[str, Any]) -> SiloConfig | None:
+    """The ``[silo]`` settings of a cross-silo scenario (None for other drivers), or a clear
+    error for a combination the ring cannot run."""
+    driver = DriverConfig(**config.get("driver", {}))
+    if driver.kind != CROSS_SILO:
+        return None
+    silo = SiloConfig(**config.get("silo", {}))
+    agg = config["aggregation"]
+    if agg["combine"] not in ("mean", "sum"):
+        raise ValueError(f"driver.kind 'cross_silo' sums the silos' updates over a ring, so "
+                         f"the server never sees one; aggregation.combine "
+                         f"'{agg['combine']}' needs them all: use 'mean' or 'sum'")
+    dp_mode = config.get("dp", {}).get("mode", "off")
+    secure = bool(config.get("secagg", {}).get("enabled"))
+    if dp_mode == "central" and not secure:
+        raise ValueError("dp.mode 'central' clips individual updates on the server, which "
+                         "never sees them with driver.kind 'cross_silo': set secagg.enabled "
+                         "= true (each silo clips its own update under the masks, the server "
+                         "noises the sum), or use dp.mode = 'local' or 'distributed' (with "
+                         "secagg)")
+    if config.get("compression", {}).get("kind", "none") != "none":
+        raise ValueError("driver.kind 'cross_silo' sums dense deltas over the ring; upload "
+                         "compression does not apply: set compression.kind = 'none'")
+    if driver.late_policy != "drop":
+        raise ValueError("driver.late_policy 'carry' has no meaning for cross-silo rounds: a "
+                         "ring waits for every silo or fails; set it to 'drop'")
+    fed = FederationConfig(**config["federation"])
+    deadline = driver.deadline(fed.round_timeout_s)
+    if deadline <= silo.join_timeout_s + silo.ring_timeout_s:
+        raise ValueError(f"the server waits {deadline:g} s for a cross-silo round "
+                         f"(driver.deadline_s, else federation.round_timeout_s), not more than "
+                         f"silo.join_timeout_s + silo.ring_timeout_s = "
+                         f"{silo.join_timeout_s + silo.ring_timeout_s:g} s: raise it or lower "
+                         "those")
+    return silo
+
+
+def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
+    """The ``[secagg]`` settings if enabled (else None); ValueError for what cannot run."""
+    cfg = SecAggScenarioConfig.from_dict(config.get("secagg"))
+    if not cfg.enabled:
+        return None
+    agg = config["aggregation"]
+    if agg["combine"] not in ("mean", "sum"):
+        raise ValueError(f"secagg is on, so the server only ever sees the weighted sum of the "
+                         f"updates, never one update: aggregation.combine = "
+                         f"'{agg['combine']}' needs each update and cannot run on a sum; use "
+                         "'mean' or 'sum', or turn secagg off")
+    if agg.get("max_norm", 0):
+        raise ValueError("secagg is on, so the server cannot see an update to check its norm: "
+                         "set aggregation.max_norm = 0 (secagg.clip_range bounds each "
+                         "coordinate instead)")
+    mode = dict(config.get("dp", {})).get("mode", "off")
+    if mode == "local":
+        raise ValueError("dp.mode = 'local' together with secagg is not supported: use "
+                         "dp.mode = 'distributed' (each client adds integer noise under the "
+                         "masks) or 'central' (clients clip, the server noises the sum)")
+    driver = dict(config.get("driver", {}))
+    kind = driver.get("kind", "sync")
+    if kind == "fedasync":
+        raise ValueError(FEDASYNC_SECAGG)
+    if kind not in ("sync", "fedbuff", "cross_silo") or \
+            driver.get("late_policy", "drop") != "drop":
+        raise ValueError(f"secagg runs in synchronous rounds that drop late clients or in "
+                         f"FedBuff's buffers; driver.kind = '{kind}' with driver.late_policy "
+                         f"= '{driver.get('late_policy')}' is not supported with it")
+    if dict(config.get("clients", {})).get("offline_fraction", 0):
+        raise ValueError("secagg does not simulate clients going offline through "
+                         "clients.offline_fraction; set it to 0 and use secagg.dropout")
+    n, least = max_round_size(config), cfg.min_survivors
+    if kind == "fedbuff" and n < least:  # one secure sum per buffer of buffer_size updates
+        raise ValueError(f"secure FedBuff sums each buffer under secagg, which needs at "
+                         f"least secagg.min_survivors = {least} updates: raise "
+                         f"driver.buffer_size (got {n}) to >= {least}")
+    if n < least:
+        raise ValueError(f"secagg needs at least secagg.min_survivors = {least} clients per "
+                         f"round, the federation samples {n}: raise federation.clients or "
+                         "federation.sample_fraction")
+    cfg.graph(n)  # e.g. a threshold count above k
+    if mode == "distributed":  # no fixed-point encoding: the DP plan checks the headroom
+        return cfg
+    cap = cfg.weight_cap(agg["weight_by"])
+    try:
+        scale = cfg.scale_for(n, agg["weight_by"])
+    except ValueError as exc:
+        raise ValueError(f"secagg: the masked sum could wrap around 2^{cfg.bits}: {exc}") \
+            from None
+    level = max_level(cfg.clip_range, scale, cap)
+    if level < 1 << MIN_LEVEL_BITS:
+        need = next((b for b in range(cfg.bits + 1, 65) if max_level(
+            cfg.clip_range, max_scale(n, b, cfg.clip_range, cap), cap) >= 1 << MIN_LEVEL_BITS),
+            64)
+        raise ValueError(f"secagg.bits = {cfg.bits} leaves {level} quantization levels per "
+                         f"coordinate for {n} clients (fewer than 2^{MIN_LEVEL_BITS}): raise "
+                         f"secagg.bits to >= {need}")
+    return cfg
+
+
+def check_audit(config: Mapping[str, Any]) -> AuditConfig | None:
+    """The run's audit settings, or None when off; combinations the canaries cannot take
+    part in fail with a message naming the key to change."""
+    audit = AuditConfig(**config.get("audit", {}))
+    if not audit.enabled:
+        return None
+    kind = config.get("driver", {}).get("kind", "sync")
+    if kind != "sync":
+        raise ValueError(f"[audit] canaries take part in sync rounds only; driver.kind is "
+                         f"'{kind}': set driver.kind = 'sync' or audit.canaries = 0")
+    combine = config["aggregation"]["combine"]
+    if combine not in LINEAR_COMBINES:
+        raise ValueError(f"[audit] adds canaries to a linear aggregate; aggregation.combine "
+                         f"'{combine}' is not one: use 'mean' or 'sum', or audit.canaries = 0")
+    mode = config.get("dp", {}).get("mode", "off")
+    if mode == "local":
+        raise ValueError("[audit] does not support dp.mode = 'local' (each canary would "
+                         "need its own local noise): use central or distributed DP, or "
+                         "audit.canaries = 0")
+    if mode != "off" and audit.canary_norm > 0:
+        raise ValueError("audit.canary_norm is for runs without DP; with DP each canary "
+                         "has the clip norm dp.clip: remove audit.canary_norm")
+    secure = bool(config.get("secagg", {}).get("enabled", False))
+    if mode == "off" and secure and audit.canary_norm == 0:
+        raise ValueError("[audit] without DP under secure aggregation needs audit.canary_norm "
+                         "> 0: the server sees no single update's norm to size canaries by")
+    return audit
