@@ -284,6 +284,11 @@ def _partition(context: Context) -> int:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else int(context.node_id)
 
 
+def _num_partitions(context: Context) -> int | None:
+    n = context.node_config.get(NodeConfigKey.NUM_PARTITIONS)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def _seed(seed: int, rnd: int, pid: int) -> int:
     digest = hashlib.sha256(f"fedring-secagg-rounding:{seed}:{rnd}:{pid}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
@@ -352,7 +357,8 @@ class SecureClient:
         s = _settings(msg.content[SecAggRecord.PROTOCOL])
         pid = _partition(context)
         rnd = s[SecAggKey.ROUND]
-        drop = dropout_stage(seed, rnd, pid, s[SecAggKey.DROPOUT], s[SecAggKey.DROPOUT_STAGE])
+        drop = dropout_stage(seed, rnd, pid, s[SecAggKey.DROPOUT], s[SecAggKey.DROPOUT_STAGE],
+                             _num_partitions(context))
         if drop is Stage.ADVERTISE_KEYS:
             raise InjectedDropout("simulated dropout at stage advertise_keys")
         setup = decode_setup(payload)[1]

@@ -1,7 +1,8 @@
 """The ``[silo]`` scenario section: how silos meet over the ring in cross-silo rounds.
 
-Cross-silo rounds run with ``[driver] kind = "cross_silo"``; ``server.rules.check_cross_silo`` refuses
-the combinations the ring cannot honour, at start, naming the key to change. With
+Cross-silo rounds run with ``[driver] kind = "cross_silo"``;
+``server.rules.check_cross_silo`` refuses the combinations the ring cannot honour, at
+start, naming the key to change. With
 ``[secagg] enabled`` the ring sums masked vectors (``server.cross_silo_secure``); the
 ``[secagg]`` and ``[dp]`` checks then apply as for sync secure rounds.
 """

@@ -20,9 +20,11 @@ delta, and the server learns only the sum over the round's survivors (see
   min(num_examples, max_weight) (1 with ``aggregation.weight_by = "uniform"``);
   ``scale``: fixed-point scale, 0 for the largest power of two that cannot wrap;
   ``rounding``: "nearest" or "stochastic" (unbiased);
-- ``dropout`` (simulations): each participating client vanishes with this probability,
-  at ``dropout_stage`` ("random", or advertise_keys, share_keys, masked_input or
-  unmasking), decided by ``client.protocol.secagg.dropout_stage``.
+- ``dropout`` (simulations): this fraction of the federation's clients vanishes in each
+  round (rounded at random to a whole number, so ``dropout * clients`` on average; each
+  client independently with this probability where a node does not know how many
+  partitions there are), at ``dropout_stage`` ("random", or advertise_keys, share_keys,
+  masked_input or unmasking), decided by ``client.protocol.secagg.dropout_stage``.
 
 The settings can only be as strict as ``privacy.secagg.policy`` or stricter: weaker
 ones fail at start naming the key and its minimum, and every client checks the session

@@ -48,5 +48,6 @@ class NodeConfigKey(Names):
     """Node config keys a fedring ClientApp reads (set by the engine or the operator)."""
 
     PARTITION_ID = "partition-id"  # Flower's convention: the node's data partition
+    NUM_PARTITIONS = "num-partitions"  # and the number of partitions
     IN_PROCESS = "fedring.in-process"  # replies stay in this process (in-process engine)
     MASK_THREADS = "mask-threads"  # threads a secure client quantizes and masks with

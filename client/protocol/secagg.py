@@ -12,7 +12,10 @@ FedBuff first sends ``train.secagg_hold`` (train and hold the delta, answer
 
 from __future__ import annotations
 
+import functools
 import hashlib
+
+import numpy as np
 
 from client.protocol.names import Names
 from privacy.secagg import Stage
@@ -76,20 +79,37 @@ def stage_of(name: str) -> Stage:
     return Stage[name.upper()]
 
 
-def dropout_stage(seed: int, rnd: int, partition_id: int, dropout: float,
-                  stage: str) -> Stage | None:
+def dropout_stage(seed: int, rnd: int, partition_id: int, dropout: float, stage: str,
+                  num_partitions: int | None = None) -> Stage | None:
     """The stage from which a client vanishes in round ``rnd`` (None: it stays).
 
     Deterministic in (seed, round, partition id), so every engine injects the same
-    dropouts: the client vanishes with probability ``dropout``, at ``stage`` or, when
-    that is "random", at a stage drawn uniformly from :data:`STAGE_NAMES`.
+    dropouts. With ``num_partitions`` (the federation's clients) a fraction ``dropout`` of
+    them vanishes in each round: :func:`dropping_partitions`. Without it each client
+    vanishes independently with probability ``dropout``. It vanishes at ``stage``, or,
+    when that is "random", at a stage drawn uniformly from :data:`STAGE_NAMES`.
     """
     if dropout <= 0:
         return None
     digest = hashlib.sha256(f"fedring-secagg-dropout:{seed}:{rnd}:{partition_id}".encode())
     raw = digest.digest()
-    if int.from_bytes(raw[:8], "little") / 2.0**64 >= dropout:
+    if num_partitions:
+        if partition_id not in dropping_partitions(seed, rnd, dropout, num_partitions):
+            return None
+    elif int.from_bytes(raw[:8], "little") / 2.0**64 >= dropout:
         return None
     if stage != "random":
         return stage_of(stage)
     return stage_of(STAGE_NAMES[int.from_bytes(raw[8:16], "little") % len(STAGE_NAMES)])
+
+
+@functools.lru_cache(maxsize=64)
+def dropping_partitions(seed: int, rnd: int, dropout: float, num_partitions: int) -> frozenset:
+    """The partitions that vanish in round ``rnd``: floor(dropout * n) of the n, plus one
+    more with probability the fractional part (so ``dropout * n`` on average), drawn
+    from (seed, round)."""
+    digest = hashlib.sha256(f"fedring-secagg-dropouts:{seed}:{rnd}".encode()).digest()
+    rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+    exact = dropout * num_partitions
+    count = min(num_partitions, int(exact) + int(rng.random() < exact - int(exact)))
+    return frozenset(int(i) for i in rng.permutation(num_partitions)[:count])

@@ -20,9 +20,9 @@ from privacy.dp.audit import (
     random_canaries,
 )
 from server.audit import AuditConfig, CanaryAudit, sampling_rate
-from server.rules import check_audit
 from server.config import AggregationConfig, FederationConfig
 from server.dp import DPController
+from server.rules import check_audit
 from simulations.config import load_scenario
 
 # ---- the Gaussian mechanism's epsilon(delta), against dp_accounting's PLD

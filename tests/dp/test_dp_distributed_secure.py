@@ -136,7 +136,7 @@ def test_each_client_sends_noise_no_one_can_replay():
 
 def seed_with_dropouts(fraction: float, stage: str, count: int) -> int:
     return next(s for s in range(500)
-                if sum(dropout_stage(s, 1, pid, fraction, stage) is not None
+                if sum(dropout_stage(s, 1, pid, fraction, stage, N) is not None
                        for pid in range(N)) == count)
 
 

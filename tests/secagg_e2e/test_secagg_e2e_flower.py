@@ -18,7 +18,7 @@ def test_flower_engine_secure_run_with_dropouts_matches_the_inprocess_engine(db_
     n, fraction = 4, 0.3
     # a seed whose round 1 loses exactly one client after it sent its masked input
     seed = next(s for s in range(200)
-                if sum(dropout_stage(s, 1, pid, fraction, "unmasking") is not None
+                if sum(dropout_stage(s, 1, pid, fraction, "unmasking", n) is not None
                        for pid in range(n)) == 1)
     cfg = load_scenario("default", [f"federation.clients={n}", "federation.rounds=1",
                                     "train.local_epochs=1", "secagg.enabled=true",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from secagg_helpers import empty_model, synthetic_app, synthetic_inputs
 
-from client.protocol.secagg import STAGE_NAMES, dropout_stage, stage_of
+from client.protocol.secagg import STAGE_NAMES, dropout_stage, dropping_partitions, stage_of
 from client.secure_client import quantize_into
 from privacy.secagg import quantize_weighted
 from privacy.secagg.messages import read_header
@@ -41,7 +41,7 @@ def expected_sum(inputs, nodes, clip, cap, weight_by="examples"):
 def dropped_nodes(seed, fraction, stage):
     """Nodes (partition id + 1 on the in-process engine) that vanish in ROUND."""
     return {pid + 1: s for pid in range(N)
-            if (s := dropout_stage(seed, ROUND, pid, fraction, stage)) is not None}
+            if (s := dropout_stage(seed, ROUND, pid, fraction, stage, N)) is not None}
 
 
 def seed_with_some_dropouts(fraction, stage, low=1, high=2):
@@ -145,3 +145,14 @@ def test_chunked_quantizer_matches_the_reference_encoding(rounding):
     with pytest.raises(ValueError, match="non-finite"):
         quantize_into(np.array([1.0, np.nan], np.float32), 1.0, rounding=rounding,
                       out=np.empty(3, np.uint32), **kwargs)
+
+
+def test_a_fraction_of_the_federation_drops_in_every_round():
+    counts = [len(dropping_partitions(7, rnd, 0.34, 3)) for rnd in range(1, 1001)]
+    assert set(counts) == {1, 2}  # 1.02 per round: one, and a second 2% of the time
+    assert 5 < counts.count(2) < 40
+    assert all(len(dropping_partitions(7, rnd, 0.25, 20)) == 5 for rnd in range(1, 50))
+    gone = dropping_partitions(7, 3, 0.25, 20)
+    stages = {pid: dropout_stage(7, 3, pid, 0.25, "masked_input", 20) for pid in range(20)}
+    assert {pid for pid, s in stages.items() if s is not None} == gone
+    assert len({dropping_partitions(7, rnd, 0.25, 20) for rnd in range(1, 20)}) > 10
