@@ -121,9 +121,9 @@ def test_cli_json_line_and_report_show_the_audit_beside_the_accountant(tmp_path)
     report = fedring("report", summary["run_id"], "--db", db, "--out", str(tmp_path),
                      cwd=tmp_path)
     assert report.returncode == 0, report.stderr
-    line = next(x for x in report.stdout.splitlines() if x.startswith("privacy:"))
-    assert f"epsilon {summary['epsilon']:.4g} (accountant" in line
+    line = next(x for x in report.stdout.splitlines() if x.startswith("privacy audit:"))
     assert f"epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary" in line
+    assert f"the accountant's epsilon {summary['epsilon']:.4g}" in line
 
 
 def test_a_resumed_run_keeps_its_canaries(run_inprocess, store, db_url):
