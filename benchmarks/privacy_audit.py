@@ -105,7 +105,9 @@ def run_one(mode: str, seed: int, canaries: int, grid: dict[str, Any],
     with Store(db) as store:
         rounds = [r for r in store.rounds(summary["run_id"]) if r.round >= 1]
     return {"mode": mode, "seed": seed, "canaries": canaries,
-            "epsilon": summary.get("epsilon"), "epsilon_audit": summary.get("epsilon_audit"),
+            "epsilon": summary.get("epsilon"), "epsilon_model": summary.get("epsilon_model"),
+            "protects_against": summary.get("protects_against"),
+            "epsilon_audit": summary.get("epsilon_audit"),
             "audit_mu": summary.get("audit_mu"), "accuracy": summary["final_accuracy"],
             "wall_s": round(wall, 2), "round_s": round(median(r.wall_s for r in rounds), 4),
             "cpu_s": round(cpu, 3), "audit_cpu_s": round(AUDIT_CPU[0], 4)}
@@ -116,8 +118,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         audits = [r["epsilon_audit"] for r in rows if r["mode"] == mode]
-        eps = [r["epsilon"] for r in rows if r["mode"] == mode]
-        out.append({"mode": mode, "epsilon": None if eps[0] is None else round(eps[0], 3),
+        first = next(r for r in rows if r["mode"] == mode)
+        out.append({"mode": mode,
+                    **{key: None if first[key] is None else round(first[key], 3)
+                       for key in ("epsilon", "epsilon_model")},
+                    "protects_against": first["protects_against"],
                     "audit_mean": round(mean(audits), 3), "audit_std": round(pstdev(audits), 3),
                     "audit_min": round(min(audits), 3), "audit_max": round(max(audits), 3),
                     "accuracy": round(mean(r["accuracy"] for r in rows if r["mode"] == mode),

@@ -37,6 +37,11 @@ Whom each epsilon protects against (``epsilon`` is the one ``dp.epsilon_budget``
   it would equal ``epsilon``). Local DP's model figure charges each client's own noised
   update (multiplier z), whatever the others add.
 
+With fixed-size sampling of every client in every round (``sample_fraction = 1``, or a
+``min_clients`` floor at ``clients``) nothing is sampled: every figure is the plain
+Gaussian under add/remove, as for reproducible cohorts, and no ``epsilon_model`` is
+stated (it would equal ``epsilon``).
+
 The sampling accounted is the sampling that happened. Fixed-size sampling is charged per
 round against the population the cohort was actually drawn from (the eligible nodes) and
 the cohort's actual size (:meth:`DPController.note_cohort`: a ``min_clients`` floor or a
@@ -111,7 +116,11 @@ class DPController:
         self.round_noise_multiplier = config.noise_multiplier
         z, delta, kind = config.noise_multiplier, config.delta, config.accountant
         unamplified = PrivacyAccountant(z, delta=delta, sampling="none", accountant=kind)
-        if sampling == "poisson":
+        if sampling == "fixed" and clients_per_round >= clients:
+            # every client in every round: no sampling to amplify, and the sum over all
+            # clients moves by C when one is added or removed
+            amplified = unamplified
+        elif sampling == "poisson":
             rate = clients_per_round / clients if sampling_rate is None else sampling_rate
             amplified = PrivacyAccountant(z, delta=delta, sampling_rate=rate, accountant=kind)
         else:
@@ -126,7 +135,8 @@ class DPController:
         else:  # local, distributed: the server knows the cohort it drew
             self.protects_against = SERVER
             self.accountant = unamplified
-            self.model_accountant = amplified if secret else None
+            self.model_accountant = amplified if secret and amplified is not unamplified \
+                else None
 
     @property
     def secret_cohorts(self) -> bool:

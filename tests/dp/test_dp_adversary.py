@@ -218,3 +218,17 @@ def test_the_stated_relations_are_the_accountants(mode, sampling, reproducible):
     expected_model = None if mode == "central" or reproducible else (
         "replace-one" if sampling == "fixed" else "add/remove-one")
     assert dp.model_relation == expected_model
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_every_client_every_round_is_the_plain_gaussian_under_add_remove(mode):
+    """Nothing is sampled when every client takes part in every round: the sum over all
+    clients moves by C when one is added or removed, with or without a secret draw."""
+    cfg = DPConfig(mode=mode, clip=1.0, noise_multiplier=Z, delta=DELTA)
+    dp = DPController(cfg, clients=N, clients_per_round=N, sampling="fixed")
+    for _ in range(4):
+        dp.note_cohort(N, N)
+        dp.end_round(released=True)
+    assert dp.epsilon() == pytest.approx(unamplified(4), rel=1e-9)
+    assert dp.relation == "add/remove-one" and dp.epsilon_model() is None
+    assert dp.epsilon() < fixed(4, cohort=N)  # replace-one at z / 2 reads higher
