@@ -65,12 +65,11 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
                                  state=RecordDict(), run_config={"db": db}))
     elif engine == "flower":
-        from flwr.simulation import run_simulation as flower_run_simulation
+        from simulations.engine_config import EngineConfig
+        from simulations.flower_engine import run_on_ray
 
-        flower_run_simulation(server_app=server_app, client_app=client_app,
-                              num_supernodes=clients,
-                              backend_config={"client_resources": {"num_cpus": 1,
-                                                                   "num_gpus": 0.0}})
+        run_on_ray(server_app, client_app, num_supernodes=clients,
+                   engine=EngineConfig(**config.get("engine", {})))
     else:
         raise ValueError(f"unknown engine '{engine}'; choose one of: {', '.join(ENGINES)}")
     if not result:

@@ -1,0 +1,48 @@
+"""``[engine]``: how ``fedring simulate --engine flower`` runs clients on Ray.
+
+Each client (a Flower virtual SuperNode's ClientApp) gets ``client_cpus`` CPUs and a
+``client_gpus`` share of a GPU, so Ray runs as many at once as the cluster holds.
+``ray_address`` joins an existing Ray cluster (``ray start --head`` on one machine,
+``ray start --address=HEAD:6379`` on the others); empty starts a Ray instance for the run
+on this machine, or joins the one ``RAY_ADDRESS`` names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# "auto", "host:port", "ray://host:port", "local" (what ray.init accepts as an address)
+_ADDRESS = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9_.\-\[\]:]+:\d+)$")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Client resources and the Ray cluster of the Flower (Ray) engine."""
+
+    client_cpus: float = 1.0
+    client_gpus: float = 0.0
+    ray_address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.client_cpus <= 0:
+            raise ValueError(f"engine.client_cpus must be > 0 (CPUs per client), got "
+                             f"{self.client_cpus}")
+        if self.client_gpus < 0:
+            raise ValueError(f"engine.client_gpus must be >= 0 (a share of a GPU per client, "
+                             f"e.g. 0.25 puts four clients on one GPU), got {self.client_gpus}")
+        if self.ray_address and not _ADDRESS.match(self.ray_address):
+            raise ValueError(f"engine.ray_address '{self.ray_address}' is not a Ray address: "
+                             "use HOST:PORT of the head (e.g. 10.0.0.1:6379), "
+                             "ray://HOST:10001, or auto (the cluster this machine joined)")
+
+    def backend_config(self) -> dict[str, Any]:
+        """Flower's Ray backend config: ``client_resources`` per ClientApp and the
+        ``init_args`` Flower passes to ``ray.init`` (the address, when one is given)."""
+        init_args: dict[str, Any] = {}
+        if self.ray_address:
+            init_args["address"] = self.ray_address
+        return {"client_resources": {"num_cpus": self.client_cpus,
+                                     "num_gpus": self.client_gpus},
+                "init_args": init_args}
