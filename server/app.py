@@ -17,7 +17,7 @@ from server.clock import Clock
 from server.compression import ReplyCompression
 from server.dp import dp_controller
 from server.fedbuff import FedBuffRounds
-from server.reporter import LogReporter, Reporter
+from server.reporter import LogReporter, Reporter, Reporters
 from server.rounds import RoundSource, RunContext
 from server.rules import check_rules
 from server.run_loop import RunLoop
@@ -32,6 +32,9 @@ DEFAULT_DB = "sqlite:///runs/fedring.db"
 ConfigResolver = Callable[[Mapping[str, Any]], dict[str, Any]]
 TaskBuilder = Callable[[dict[str, Any]], ServerTask]
 ClockFactory = Callable[[dict[str, Any]], Clock]
+# An observer of a run built from its resolved config and store URL (e.g. experiment
+# tracking), None when the config asks for none; it may refuse the config before the run.
+ObserverFactory = Callable[[dict[str, Any], str], Reporter | None]
 
 
 def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_url: str,
@@ -86,7 +89,8 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
                     config: dict[str, Any] | None = None, store_url: str | None = None,
                     reporter: Reporter | None = None,
                     on_summary: Callable[[dict[str, Any]], None] | None = None,
-                    clock: ClockFactory | None = None, resume: str | None = None) -> ServerApp:
+                    clock: ClockFactory | None = None, resume: str | None = None,
+                    observe: ObserverFactory | None = None) -> ServerApp:
     """A Flower ServerApp for a fixed ``config``, or one resolved from the run config.
 
     Under ``flwr run`` the run config gives ``scenario`` (a name or TOML path), ``db``
@@ -108,8 +112,16 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
                 cfg = store.get_run(resume_id).config
         else:
             cfg = resolve_config(run_config)
-        summary = run_server(grid, cfg, task=build_task(cfg), store_url=url, resume=resume_id,
-                             reporter=reporter, clock=clock(cfg) if clock else None)
+        observer = observe(cfg, url) if observe is not None else None
+        shown = reporter or LogReporter()
+        try:
+            summary = run_server(grid, cfg, task=build_task(cfg), store_url=url,
+                                 resume=resume_id, clock=clock(cfg) if clock else None,
+                                 reporter=Reporters(shown, observer) if observer else shown)
+        except BaseException:
+            if observer is not None:
+                observer.run_finished({"status": "failed"})
+            raise
         if on_summary is not None:
             on_summary(summary)
 

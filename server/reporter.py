@@ -40,3 +40,35 @@ class LogReporter(Reporter):
 
     def run_finished(self, summary: dict[str, Any]) -> None:
         log.info("run finished: %s", summary)
+
+
+class Reporters(Reporter):
+    """Several reporters as one (e.g. the progress display and experiment tracking): each
+    hook goes to every reporter in turn."""
+
+    def __init__(self, *reporters: Reporter) -> None:
+        self.reporters = reporters
+
+    def run_started(self, run_id: str, config: dict[str, Any]) -> None:
+        for r in self.reporters:
+            r.run_started(run_id, config)
+
+    def round_started(self, rnd: int, sampled: int) -> None:
+        for r in self.reporters:
+            r.round_started(rnd, sampled)
+
+    def client_done(self, rnd: int, done: int, sampled: int) -> None:
+        for r in self.reporters:
+            r.client_done(rnd, done, sampled)
+
+    def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
+        for r in self.reporters:
+            r.round_finished(rnd, metrics)
+
+    def message(self, text: str) -> None:
+        for r in self.reporters:
+            r.message(text)
+
+    def run_finished(self, summary: dict[str, Any]) -> None:
+        for r in self.reporters:
+            r.run_finished(summary)

@@ -13,6 +13,7 @@ from client.app import make_client_app
 from server.app import make_server_app
 from simulations.config import load_scenario
 from simulations.task import ScenarioTask, task_spec
+from simulations.tracking import open_tracking
 
 RESERVED_RUN_CONFIG = ("scenario", "overrides", "resume", "db")
 
@@ -39,5 +40,5 @@ def build_task(config: Mapping[str, Any]) -> ScenarioTask:
     return task
 
 
-server_app = make_server_app(build_task, config_from_run_config)
+server_app = make_server_app(build_task, config_from_run_config, observe=open_tracking)
 client_app = make_client_app(ScenarioTask, spec_from_run_config)

@@ -41,8 +41,10 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         spec_from_run_config,
     )
     from simulations.heterogeneity import make_clock
+    from simulations.tracking import TrackingConfig, open_tracking
 
     build_task(config)  # fails here, before any engine starts, on bad data or model settings
+    TrackingConfig(**config.get("tracking", {})).require()  # and on a missing extra
     cross_silo = config.get("driver", {}).get("kind") == "cross_silo"
     if cross_silo and engine != "inprocess":
         raise ValueError("driver.kind 'cross_silo' needs every silo of a ring running at once: "
@@ -50,7 +52,8 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     result: dict[str, Any] = {}
     server_app = make_server_app(build_task, config_from_run_config, config=config,
                                  store_url=db, reporter=reporter, on_summary=result.update,
-                                 resume=resume, clock=None if cross_silo else make_clock)
+                                 resume=resume, clock=None if cross_silo else make_clock,
+                                 observe=open_tracking)
     clients = config["federation"]["clients"]
     if engine == "inprocess":
         from simulations.inprocess import InProcessGrid

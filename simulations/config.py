@@ -33,6 +33,7 @@ from simulations.datasets import dataset_names
 from simulations.engine_config import EngineConfig
 from simulations.models import model_names
 from simulations.partitioners import partitioner_names
+from simulations.tracking import TrackingConfig
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 TOP_LEVEL_KEYS = ("name", "description", "seed")
@@ -70,6 +71,7 @@ SECTIONS: dict[str, type] = {
     "compression": CompressionConfig,
     "audit": AuditConfig,
     "engine": EngineConfig,
+    "tracking": TrackingConfig,
 }
 FREE_SECTIONS = ("model", "dp")  # checked by building the model / by DPConfig
 

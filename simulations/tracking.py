@@ -1,0 +1,207 @@
+"""``[tracking]``: each run's rounds in TensorBoard and MLflow, beside the store.
+
+A ``TrackingReporter`` observes the run loop like any reporter (``server.reporter``), so it
+works on every engine and under ``flwr run``. Both sinks are optional extras
+(``pip install 'fedring[tracking]'``) and off by default; a sink that fails is logged once
+and dropped for the rest of the run, which goes on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.reporter import Reporter
+
+log = logging.getLogger("fedring")
+EXTRA = "pip install 'fedring[tracking]'"
+RUN_ID_TAG = "fedring.run_id"
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Where to track runs: a TensorBoard log directory (one subdirectory per run) and an
+    MLflow tracking URI (a tracking server URL, ``sqlite:///...``, or a local file store:
+    a path or ``file:/...``) with the experiment to log to. Empty: off."""
+
+    tensorboard: str = ""
+    mlflow: str = ""
+    experiment: str = "fedring"
+
+    def __post_init__(self) -> None:
+        if self.mlflow and not self.experiment:
+            raise ValueError("tracking.experiment must name the MLflow experiment")
+
+    def require(self) -> None:
+        """Fail at start when a configured sink's package is not installed."""
+        for key, module, what in (("tensorboard", "tensorboard", "TensorBoard"),
+                                  ("mlflow", "mlflow", "MLflow")):
+            if getattr(self, key) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"tracking.{key} needs {what}, which is not installed: "
+                                 f"{EXTRA} (or remove tracking.{key})")
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(section.key, value)`` for every leaf of a nested config."""
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            yield from flatten(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric figures of a round (bools and strings left out)."""
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+class TensorBoardSink:
+    """One event-file run per fedring run, in ``<dir>/<run_id>``."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = Path(log_dir)
+        self.writer: Any = None
+
+    def start(self, run_id: str, config: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(self.log_dir / run_id))
+        text = json.dumps(config, indent=2, sort_keys=True, default=str)
+        # Indented: Markdown shows it as a code block.
+        self.writer.add_text("config", "\n".join(f"    {line}" for line in text.splitlines()))
+        self.writer.flush()
+
+    def round(self, rnd: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=rnd)
+        self.writer.flush()  # a run that dies keeps what it reported
+
+    def finish(self, summary: Mapping[str, Any]) -> None:
+        self.writer.close()
+
+
+class MlflowSink:
+    """An MLflow run per fedring run (resumed runs continue theirs): the flattened config
+    as params, per-round metrics with the round as step, the report plot as an artifact,
+    and the fedring run id as the tag ``fedring.run_id``."""
+
+    def __init__(self, uri: str, experiment: str, store_url: str) -> None:
+        self.uri = uri if _SCHEME.match(uri) else Path(uri).resolve().as_uri()
+        self.experiment = experiment
+        self.store_url = store_url
+        self.client: Any = None
+        self.run_id = ""  # MLflow's
+        self.fedring_run_id = ""
+
+    def start(self, run_id: str, config: Mapping[str, Any]) -> None:
+        if self.uri.startswith("file:"):
+            # MLflow 3 keeps the file store in maintenance mode and refuses it unless told;
+            # the config asked for one.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.fedring_run_id = run_id
+        experiment_id = self._experiment_id()
+        found = self.client.search_runs([experiment_id],
+                                        filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'",
+                                        max_results=1)
+        if found:  # a resumed fedring run: continue its MLflow run, params already there
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        run = self.client.create_run(experiment_id, run_name=run_id,
+                                     tags={RUN_ID_TAG: run_id,
+                                           "fedring.scenario": str(config.get("name", ""))})
+        self.run_id = run.info.run_id
+        params = [Param(key, str(value)[:6000]) for key, value in flatten(config)]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def _experiment_id(self) -> str:
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(self.experiment)
+        except Exception:  # created meanwhile by another run
+            found = self.client.get_experiment_by_name(self.experiment)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def round(self, rnd: int, metrics: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(key, value, now, rnd) for key, value in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+
+    def finish(self, summary: Mapping[str, Any]) -> None:
+        from server.store import Store
+        from simulations.report import plot_run
+
+        status = summary.get("status", "completed")
+        self.client.set_tag(self.run_id, "fedring.status", status)
+        try:
+            with tempfile.TemporaryDirectory() as tmp, Store(self.store_url) as store:
+                self.client.log_artifact(self.run_id,
+                                         str(plot_run(store, self.fedring_run_id, Path(tmp))))
+        finally:
+            self.client.set_terminated(self.run_id,
+                                       status="FAILED" if status == "failed" else "FINISHED")
+
+
+class TrackingReporter(Reporter):
+    """Sends each round's figures to the configured sinks; a sink that raises is logged
+    once and dropped, never failing the run."""
+
+    def __init__(self, sinks: dict[str, Any]) -> None:
+        self.sinks = dict(sinks)
+
+    def _each(self, method: str, *args: Any) -> None:
+        for name, sink in list(self.sinks.items()):
+            try:
+                getattr(sink, method)(*args)
+            except Exception as exc:
+                del self.sinks[name]
+                log.warning("tracking to %s failed and stops for this run (training goes "
+                            "on): %s: %s", name, type(exc).__name__, exc)
+
+    def run_started(self, run_id: str, config: dict[str, Any]) -> None:
+        self._each("start", run_id, config)
+
+    def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
+        self._each("round", rnd, scalars(metrics))
+
+    def run_finished(self, summary: dict[str, Any]) -> None:
+        self._each("finish", summary)
+        self.sinks.clear()
+
+
+def open_tracking(config: Mapping[str, Any], store_url: str) -> TrackingReporter | None:
+    """The reporter ``[tracking]`` asks for, None when it asks for none; fails (before the
+    run starts) when a sink's package is missing."""
+    tracking = TrackingConfig(**config.get("tracking", {}))
+    tracking.require()
+    sinks: dict[str, Any] = {}
+    if tracking.tensorboard:
+        sinks[f"TensorBoard ({tracking.tensorboard})"] = TensorBoardSink(tracking.tensorboard)
+    if tracking.mlflow:
+        sinks[f"MLflow ({tracking.mlflow})"] = MlflowSink(tracking.mlflow, tracking.experiment,
+                                                          store_url)
+    return TrackingReporter(sinks) if sinks else None
