@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: run test lint bench clean
 
@@ -14,10 +15,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,postgres]'
 	touch $(STAMP)
 
+# The tests also exercise the optional experiment tracking (TensorBoard, MLflow);
+# `make run` does not need it.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,postgres,tracking]'
+	touch $(TEST_STAMP)
+
 run: $(STAMP)
 	$(BIN)/fedring simulate
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash tests/run.sh
 
