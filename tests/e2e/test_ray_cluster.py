@@ -1,8 +1,10 @@
 """``--engine flower`` joins an existing Ray cluster (``engine.ray_address``) and trains the
-same model as the in-process engine; Flower's deprecated Python API is not used."""
+same model as the in-process engine; Flower's deprecated Python API is not used. ``flwr run``
+joins it through ``RAY_ADDRESS``."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -17,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from server.store import Store
 from simulations.cli import run_simulation
 from simulations.config import load_scenario
 from tests.e2e.conftest import SMALL
+from tests.e2e.test_flwr_run import ROOT, _stop_superlinks
 
 RAY = Path(sys.executable).parent / "ray"
 
@@ -117,3 +121,38 @@ def test_flower_engine_on_a_ray_cluster_matches_inprocess(ray_head, db_url, stor
     np.testing.assert_allclose(store.load_checkpoint(on_ray["run_id"]).params,
                                store.load_checkpoint(local["run_id"]).params, rtol=0, atol=1e-5)
     assert abs(on_ray["final_accuracy"] - local["final_accuracy"]) < 0.01
+
+
+@pytest.mark.slow
+def test_flwr_run_joins_the_cluster_through_ray_address_and_tracks(ray_head, tmp_path):
+    """The README's recipe for ``flwr run``: ``RAY_ADDRESS`` in the environment the local
+    SuperLink starts from, client resources in the federation config; tracking works under
+    the ServerApp too."""
+    address, temp_dir = ray_head
+    flwr_home = tmp_path / "flwr"
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    env = {**os.environ, "FLWR_HOME": str(flwr_home), "RAY_ADDRESS": address,
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    tracked = f"tracking.tensorboard={tmp_path / 'tb'}" if _has("tensorboard") else ""
+    run_config = (f'scenario="default" db="{db}" overrides="federation.rounds=1 '
+                  f'federation.clients=3 train.local_epochs=1 {tracked}"')
+    try:
+        proc = subprocess.run(
+            ["flwr", "run", ".", "local", "--stream", "--federation-config",
+             "num-supernodes=3 client-resources-num-cpus=1", "--run-config", run_config],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        _stop_superlinks(flwr_home)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with Store(db) as store:
+        (run,) = store.list_runs()
+        assert run.status == "completed"
+    logs = list(temp_dir.glob("session_*/logs/worker-*"))
+    assert any("ClientAppActor" in p.read_text(errors="replace") for p in logs), logs
+    if tracked:
+        assert [d.name for d in (tmp_path / "tb").iterdir()] == [run.run_id]
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
