@@ -1,9 +1,9 @@
 """``[tracking]``: each run's rounds in TensorBoard and MLflow, beside the store.
 
 A ``TrackingReporter`` observes the run loop like any reporter (``server.reporter``), so it
-works on every engine and under ``flwr run``. Both sinks are optional extras
-(``pip install 'fedring[tracking]'``) and off by default; a sink that fails is logged once
-and dropped for the rest of the run, which goes on.
+works on every engine and under ``flwr run``, and talks to the sinks on a thread of its own.
+Both sinks are optional extras (``pip install 'fedring[tracking]'``) and off by default; a
+sink that fails is logged once and dropped for the rest of the run, which goes on.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import importlib.util
 import json
 import logging
 import os
+import queue
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from server.reporter import Reporter
 log = logging.getLogger("fedring")
 EXTRA = "pip install 'fedring[tracking]'"
 RUN_ID_TAG = "fedring.run_id"
+FINISH_TIMEOUT_S = 60.0  # how long the end of a run waits for tracking to catch up
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
 
 
@@ -167,13 +170,23 @@ class MlflowSink:
 
 
 class TrackingReporter(Reporter):
-    """Sends each round's figures to the configured sinks; a sink that raises is logged
-    once and dropped, never failing the run."""
+    """Sends each round's figures to the configured sinks on a thread of its own, so a
+    slow or unreachable tracking server never holds up training; a sink that raises is
+    logged once and dropped, never failing the run. The run's end waits for the sinks at
+    most ``FINISH_TIMEOUT_S``."""
 
     def __init__(self, sinks: dict[str, Any]) -> None:
         self.sinks = dict(sinks)
+        self._calls: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
+        self._worker: threading.Thread | None = threading.Thread(
+            target=self._work, name="fedring-tracking", daemon=True)
+        self._worker.start()
 
-    def _each(self, method: str, *args: Any) -> None:
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            self._each(*call)
+
+    def _each(self, method: str, args: tuple[Any, ...]) -> None:
         for name, sink in list(self.sinks.items()):
             try:
                 getattr(sink, method)(*args)
@@ -183,14 +196,21 @@ class TrackingReporter(Reporter):
                             "on): %s: %s", name, type(exc).__name__, exc)
 
     def run_started(self, run_id: str, config: dict[str, Any]) -> None:
-        self._each("start", run_id, config)
+        self._calls.put(("start", (run_id, config)))
 
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
-        self._each("round", rnd, scalars(metrics))
+        self._calls.put(("round", (rnd, scalars(metrics))))
 
     def run_finished(self, summary: dict[str, Any]) -> None:
-        self._each("finish", summary)
-        self.sinks.clear()
+        if self._worker is None:  # already finished
+            return
+        self._calls.put(("finish", (dict(summary),)))
+        self._calls.put(None)
+        self._worker.join(FINISH_TIMEOUT_S)
+        if self._worker.is_alive():
+            log.warning("tracking to %s did not finish within %g s; what it had not sent "
+                        "yet is dropped", ", ".join(list(self.sinks)), FINISH_TIMEOUT_S)
+        self._worker = None
 
 
 def open_tracking(config: Mapping[str, Any], store_url: str) -> TrackingReporter | None:

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,30 @@ def test_a_failing_sink_is_logged_once_and_the_run_goes_on(tmp_path, db_url, sto
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())  # the other goes on
     (run,) = client.search_runs([client.get_experiment_by_name("fedring").experiment_id])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "accuracy")] == [1, 2, 3]
+
+
+def test_a_hung_tracking_server_does_not_hold_the_run(tmp_path, db_url, monkeypatch, caplog):
+    """MLflow's client retries an unreachable server for minutes: the rounds go on while
+    the tracking thread waits, and the run's end waits for it only FINISH_TIMEOUT_S."""
+    pytest.importorskip("mlflow")
+    release = threading.Event()
+    started = []
+
+    def hangs(self, run_id, config):
+        started.append(run_id)
+        release.wait(60)
+
+    monkeypatch.setattr(tracking.MlflowSink, "start", hangs)
+    monkeypatch.setattr(tracking, "FINISH_TIMEOUT_S", 0.5)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fedring"):
+            summary = run_simulation(_config("tracking.mlflow=http://127.0.0.1:9"),
+                                     engine="inprocess", db=db_url)
+    finally:
+        release.set()
+    assert summary["status"] == "completed" and started == [summary["run_id"]]
+    late = [r.getMessage() for r in caplog.records if "did not finish" in r.getMessage()]
+    assert len(late) == 1 and "MLflow (http://127.0.0.1:9)" in late[0]
 
 
 def test_a_run_that_fails_ends_its_mlflow_run_failed(tmp_path, db_url, monkeypatch):
