@@ -65,9 +65,8 @@ class _ArrayUnpickler(pickle.Unpickler):
 
 
 def _source_hint(name: str) -> str:
-    spec = _SPECS[name]
-    return (f"download the CIFAR python version from {CIFAR_URL}, unpack it and set "
-            f"data.options.path to its {spec.folder} folder")
+    return (f"the files are the unpacked {_SPECS[name].folder} folder of the CIFAR python "
+            f"version from {CIFAR_URL}")
 
 
 def _read_batch(path: str, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -117,8 +116,8 @@ def load_cifar(name: str, *, path: str | os.PathLike[str] | None = None) -> dict
     spec = _SPECS[name]
     if path is None or not os.fspath(path):
         raise ValueError(f"dataset {name!r} reads the CIFAR python batches from disk: set "
-                         f"data.options.path (e.g. --set data.options.path=/data/{spec.folder}); "
-                         f"{_source_hint(name)}")
+                         f"data.options.path to their folder (e.g. --set "
+                         f"data.options.path=/data/{spec.folder}); {_source_hint(name)}")
     folder = os.fspath(path)
     if not os.path.isdir(folder):
         raise ValueError(f"{name}: data.options.path {folder!r} is not a folder; "
