@@ -1,8 +1,8 @@
-"""Small PyTorch models for simulations: ``mlp``, ``cnn``, ``logreg``.
+"""Small PyTorch models for simulations: ``mlp``, ``cnn``, ``logreg``, ``bn_mlp``.
 
 Every model is a plain ``nn.Sequential`` of Linear/Conv2d/ReLU/MaxPool/Flatten layers on CPU in
-float32: no dropout and no batch norm, so a model is fully described by its parameters (which
-is what federated averaging averages) and its initial weights depend only on the torch seed.
+float32, no dropout, and its initial weights depend only on the torch seed. ``bn_mlp`` adds
+batch norm, whose running statistics travel with the parameters (``client.flat_model``).
 Models return logits (use ``nn.CrossEntropyLoss``).
 """
 
@@ -40,6 +40,8 @@ def build_model(
       width in ``channels`` (default ``[16, 32]``), ``MaxPool2d(2)``, flatten, ``Linear`` to the
       classes.
     - ``logreg``: flatten, one ``Linear`` to the classes (no params).
+    - ``bn_mlp``: ``mlp`` with ``BatchNorm1d`` after each hidden ``Linear`` (``hidden``;
+      ``cumulative = true``: batch norm's cumulative average, momentum None).
     """
     if kind not in _BUILDERS:
         raise ValueError(f"unknown model {kind!r}; choose one of: {', '.join(model_names())}")
@@ -109,11 +111,26 @@ def _cnn(shape: tuple[int, ...], num_classes: int, *, channels: Any = (16, 32)) 
     return nn.Sequential(*layers)
 
 
+def _bn_mlp(shape: tuple[int, ...], num_classes: int, *, hidden: Any = (64,),
+            cumulative: bool = False) -> nn.Module:
+    """Like ``mlp`` with ``BatchNorm1d`` after each hidden ``Linear``; ``cumulative`` keeps
+    batch norm's cumulative average (momentum None, which counts batches)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = math.prod(shape)
+    for h in _widths("hidden", hidden, allow_empty=False):
+        layers += [nn.Linear(width, h), nn.BatchNorm1d(h, momentum=None if cumulative else 0.1),
+                   nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
 def _logreg(shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), num_classes))
 
 
 _BUILDERS: Mapping[str, tuple[Callable[..., nn.Module], frozenset[str]]] = {
+    "bn_mlp": (_bn_mlp, frozenset({"hidden", "cumulative"})),
     "cnn": (_cnn, frozenset({"channels"})),
     "logreg": (_logreg, frozenset()),
     "mlp": (_mlp, frozenset({"hidden"})),

@@ -10,7 +10,7 @@ from simulations.models import build_model, count_parameters, model_names
 
 
 def test_names():
-    assert model_names() == ["cnn", "logreg", "mlp"]
+    assert model_names() == ["bn_mlp", "cnn", "logreg", "mlp"]
 
 
 @pytest.mark.parametrize(
