@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,21 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     return load_scenario(args.scenario, args.set, values=values)
 
 
+def client_resources(device: str) -> dict[str, float]:
+    """Each Ray client's share of this machine: a core, and on CUDA a share of the GPU that
+    lets as many clients train at once as there are cores (Ray hides the GPU from actors
+    that ask for none)."""
+    gpus = 1.0 / max(1, os.cpu_count() or 1) if device == "cuda" else 0.0
+    return {"num_cpus": 1, "num_gpus": gpus}
+
+
 def run_simulation(config: dict[str, Any], *, engine: str, db: str,
                    reporter: Any = None, resume: str | None = None) -> dict[str, Any]:
     """Run a resolved scenario on an engine with fedring's ServerApp and ClientApp
     (``resume``: continue that run from its last checkpoint)."""
     from flwr.app import Context, RecordDict
 
+    from client.training import resolve_device
     from server.app import make_server_app
     from simulations.apps import (
         build_task,
@@ -43,6 +53,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     from simulations.heterogeneity import make_clock
 
     build_task(config)  # fails here, before any engine starts, on bad data or model settings
+    device = resolve_device(config["train"]["device"]).type  # clients train on this machine
     cross_silo = config.get("driver", {}).get("kind") == "cross_silo"
     if cross_silo and engine != "inprocess":
         raise ValueError("driver.kind 'cross_silo' needs every silo of a ring running at once: "
@@ -69,8 +80,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
 
         flower_run_simulation(server_app=server_app, client_app=client_app,
                               num_supernodes=clients,
-                              backend_config={"client_resources": {"num_cpus": 1,
-                                                                   "num_gpus": 0.0}})
+                              backend_config={"client_resources": client_resources(device)})
     else:
         raise ValueError(f"unknown engine '{engine}'; choose one of: {', '.join(ENGINES)}")
     if not result:

@@ -1,10 +1,12 @@
-"""PyTorch models for simulations: ``mlp``, ``cnn``, ``logreg``, ``resnet``, ``char_lstm``.
+"""PyTorch models for simulations: ``mlp``, ``cnn``, ``logreg``, ``bn_mlp``, ``resnet``,
+``char_lstm``.
 
 ``mlp``, ``cnn`` and ``logreg`` are plain ``nn.Sequential`` stacks of Linear/Conv2d/ReLU/
 MaxPool/Flatten layers without dropout or batch norm: fully described by their parameters.
-``resnet`` has batch norm, whose running statistics are buffers that travel beside the
-parameters. ``char_lstm`` takes int64 character indices. All are float32 with initial weights
-that depend only on the torch seed, and return logits (use ``nn.CrossEntropyLoss``).
+``bn_mlp`` and ``resnet`` have batch norm, whose running statistics are buffers that travel
+with the parameters (``client.flat_model``). ``char_lstm`` takes int64 character indices.
+All are float32 with initial weights that depend only on the torch seed, and return logits
+(use ``nn.CrossEntropyLoss``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def build_model(
       width in ``channels`` (default ``[16, 32]``), ``MaxPool2d(2)``, flatten, ``Linear`` to the
       classes.
     - ``logreg``: flatten, one ``Linear`` to the classes (no params).
+    - ``bn_mlp``: ``mlp`` with ``BatchNorm1d`` after each hidden ``Linear`` (``hidden``;
+      ``cumulative = true``: batch norm's cumulative average, momentum None).
     - ``resnet``: input ``(C, H, W)`` with H, W >= 4; a CIFAR-style residual network: a
       ``Conv3x3 + BatchNorm + ReLU`` stem of ``width`` channels (default 32), then three
       stages of ``blocks`` basic residual blocks each (default 1; two ``Conv3x3 + BatchNorm``
@@ -120,6 +124,20 @@ def _cnn(shape: tuple[int, ...], num_classes: int, *, channels: Any = (16, 32)) 
     return nn.Sequential(*layers)
 
 
+def _bn_mlp(shape: tuple[int, ...], num_classes: int, *, hidden: Any = (64,),
+            cumulative: bool = False) -> nn.Module:
+    """Like ``mlp`` with ``BatchNorm1d`` after each hidden ``Linear``; ``cumulative`` keeps
+    batch norm's cumulative average (momentum None, which counts batches)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = math.prod(shape)
+    for h in _widths("hidden", hidden, allow_empty=False):
+        layers += [nn.Linear(width, h), nn.BatchNorm1d(h, momentum=None if cumulative else 0.1),
+                   nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
 def _logreg(shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), num_classes))
 
@@ -191,6 +209,7 @@ def _char_lstm(shape: tuple[int, ...], num_classes: int, *, embedding_dim: Any =
 
 
 _BUILDERS: Mapping[str, tuple[Callable[..., nn.Module], frozenset[str]]] = {
+    "bn_mlp": (_bn_mlp, frozenset({"hidden", "cumulative"})),
     "char_lstm": (_char_lstm, frozenset({"embedding_dim", "hidden", "layers"})),
     "cnn": (_cnn, frozenset({"channels"})),
     "logreg": (_logreg, frozenset()),

@@ -10,7 +10,7 @@ from simulations.models import build_model, count_parameters, model_names
 
 
 def test_names():
-    assert model_names() == ["char_lstm", "cnn", "logreg", "mlp", "resnet"]
+    assert model_names() == ["bn_mlp", "char_lstm", "cnn", "logreg", "mlp", "resnet"]
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,8 @@ def test_sgd_reduces_loss_on_digits(kind, params, lr):
 @pytest.mark.parametrize(
     ("kind", "kwargs", "pattern"),
     [
-        ("vgg", {}, "unknown model 'vgg'; choose one of: char_lstm, cnn, logreg, mlp, resnet"),
+        ("vgg", {}, "unknown model 'vgg'; choose one of: bn_mlp, char_lstm, cnn, logreg, mlp, "
+                        "resnet"),
         ("resnet", {"input_shape": (64,)}, r"resnet needs input_shape \(channels, height"),
         ("resnet", {"input_shape": (3, 3, 32)}, "height, width >= 4"),
         ("resnet", {"width": 0}, "width must be a positive int"),
