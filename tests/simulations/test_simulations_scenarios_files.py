@@ -91,16 +91,31 @@ def test_shakespeare_natural_partition_needs_as_many_clients_as_users(tmp_path):
         build_task(config)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="client/flat_model.py refuses models with buffers (batch norm) so far")
-def test_cifar10_scenario_runs_with_batch_norm(tmp_path, one_thread):
-    """The scenario's BatchNorm ResNet over a miniature of the CIFAR-10 batches."""
-    folder = write_cifar10(tmp_path, train_rows=12)
-    config = load_scenario("cifar10", [f"data.options.path={folder}", "federation.clients=3",
-                                       "federation.sample_fraction=1.0",
-                                       "federation.min_clients=3", "federation.rounds=2",
-                                       "model.width=8", "data.min_size=2",
-                                       "train.local_epochs=1"])
+def cifar10_config(folder) -> dict:
+    return load_scenario("cifar10", [f"data.options.path={folder}", "federation.clients=3",
+                                     "federation.sample_fraction=1.0", "federation.min_clients=3",
+                                     "federation.rounds=2", "model.width=8", "data.min_size=2",
+                                     "train.local_epochs=1"])
+
+
+def test_cifar10_scenario_runs_with_batch_norm(tmp_path, run_inprocess, one_thread):
+    """The scenario's BatchNorm ResNet over a miniature of the CIFAR-10 batches: the batch
+    norm statistics reach the server's model with the parameters."""
+    config = cifar10_config(write_cifar10(tmp_path, train_rows=12))
+    models: list[np.ndarray] = []
+    summary = run_inprocess(config, models=models)
+    assert summary["versions"] == 2 and np.isfinite(summary["final_loss"])
+    _, layout = ScenarioTask.from_config(config).initial_params()
+    where = dict(zip(layout.names, zip(layout.offsets, layout.sizes, strict=True), strict=True))
+    off, size = where["1.running_mean"]  # the stem's batch norm
+    assert np.array_equal(models[0][off:off + size], np.zeros(size))
+    assert np.abs(models[-1][off:off + size]).min() > 0
+    off, size = where["1.running_var"]
+    assert np.array_equal(models[0][off:off + size], np.ones(size))
+    assert not np.allclose(models[-1][off:off + size], 1.0)
+
+
+def test_cifar10_scenario_from_the_cli_entry(tmp_path, one_thread):
+    config = cifar10_config(write_cifar10(tmp_path, train_rows=12))
     summary = run_simulation(config, engine="inprocess", db=f"sqlite:///{tmp_path / 's.db'}")
     assert summary["rounds"] == 2 and summary["versions"] == 2
-    assert np.isfinite(summary["final_loss"])
