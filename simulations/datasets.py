@@ -27,7 +27,8 @@ class Dataset:
     """A train/test split ready for partitioning.
 
     ``groups`` (int64, one entry per training sample) is the natural client of each training
-    sample when the data has one (``synthetic``: the generating user), else ``None``.
+    sample when the data has one (``synthetic``: the generating user; the LEAF sets: the
+    LEAF user), else ``None``. Inputs are float32, or int64 token indices (``shakespeare``).
 
     Equality and hashing are by identity (``eq=False``): field-wise ``==`` on numpy arrays is
     ambiguous.
