@@ -232,3 +232,22 @@ def test_ray_clients_get_a_gpu_share_only_on_cuda() -> None:
     assert client_resources("cpu") == {"num_cpus": 1, "num_gpus": 0.0}
     share = client_resources("cuda")["num_gpus"]
     assert 0 < share <= 1
+
+
+def test_dp_clips_the_whole_delta_buffers_included(run_inprocess) -> None:
+    """What is aggregated is what DP clips: a local-DP client's delta (with little noise
+    here) is its whole trained delta, running statistics included, scaled to norm
+    ``dp.clip``."""
+    clip = 0.5
+    config = _config("dp.mode=local", f"dp.clip={clip}", "dp.noise_multiplier=0.001", clients=2)
+    task = build_task(config)
+    params, layout = task.initial_params()
+    recorder = Recorder()
+    run_inprocess(config, recorder)
+    for pid in range(2):
+        trained = _reference(task, layout.unflatten(params), 1, pid)
+        full = layout.flatten(trained) - params
+        assert np.linalg.norm(full) > clip
+        np.testing.assert_allclose(recorder.deltas[1, pid], full * clip / np.linalg.norm(full),
+                                   atol=6 * 0.001 * clip)  # six noise deviations
+        assert np.abs(recorder.deltas[1, pid][~layout.mask(layout.trainable)]).max() > 1e-4
