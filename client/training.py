@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 OPTIMIZERS = ("sgd", "adam")
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,13 +75,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def batch_norm_layers(module: torch.nn.Module) -> list[str]:
+    """Names of the batch-norm layers in ``module``."""
+    return [name or type(module).__name__ for name, sub in module.named_modules()
+            if isinstance(sub, _BatchNorm)]
+
+
+def has_batch_norm(module: torch.nn.Module) -> bool:
+    return any(isinstance(sub, _BatchNorm) for sub in module.modules())
+
+
 def check_model(module: torch.nn.Module, cfg: TrainConfig) -> None:
     """Fail at start on a model that local training with ``cfg`` cannot train: DP-SGD's
     per-sample gradients are undefined under batch norm, which mixes the samples of a batch."""
     if not cfg.dp_sgd:
         return
-    norms = [name or type(module).__name__ for name, sub in module.named_modules()
-             if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm)]
+    norms = batch_norm_layers(module)
     if norms:
         raise ValueError(f"DP-SGD (train.dp_sgd_noise_multiplier > 0) cannot train a model "
                          f"with batch norm (layers {', '.join(norms[:5])}): batch norm mixes "
@@ -150,7 +160,8 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     (Li et al. 2020); ``global_params`` are the global model's tensors in parameter order
     (parameters only: buffers such as batch norm's statistics are not trained, they follow
     the batches). Training runs where ``module`` and ``x`` are; the batch order is drawn on
-    the CPU from ``seed``, the same on every device.
+    the CPU from ``seed``, the same on every device. With batch norm a last batch of one
+    sample is skipped: batch norm cannot normalise a single sample.
     """
     params = [p for p in module.parameters() if p.requires_grad]
     if cfg.proximal_mu > 0 and (global_params is None or len(global_params) != len(params)):
@@ -159,11 +170,14 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     opt = make_optimizer(params, cfg)
     gen = torch.Generator().manual_seed(seed)
     n = len(x)
+    smallest = 2 if has_batch_norm(module) else 1
     total, steps = 0.0, 0
     for _ in range(cfg.local_epochs):
         order = torch.randperm(n, generator=gen).to(x.device)
         for start in range(0, n, cfg.batch_size):
             idx = order[start:start + cfg.batch_size]
+            if len(idx) < smallest:
+                continue
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(module(x[idx]), y[idx])
             if cfg.proximal_mu > 0:
