@@ -119,3 +119,27 @@ def test_cifar10_scenario_from_the_cli_entry(tmp_path, one_thread):
     config = cifar10_config(write_cifar10(tmp_path, train_rows=12))
     summary = run_simulation(config, engine="inprocess", db=f"sqlite:///{tmp_path / 's.db'}")
     assert summary["rounds"] == 2 and summary["versions"] == 2
+
+
+@pytest.mark.parametrize(("dataset", "model"), [("femnist", "cnn"), ("sent140", "logreg"),
+                                                ("femnist", "resnet")])
+def test_leaf_sets_train_as_natural_clients(tmp_path, one_thread, dataset, model):
+    """FEMNIST and Sent140 from LEAF files, one client per LEAF user, a round each."""
+    folder = write_leaf_set(tmp_path, dataset, users=3)
+    scenario = tmp_path / "leaf.toml"
+    scenario.write_text(f"""
+[data]
+dataset = "{dataset}"
+partitioner = "natural"
+options = {{ path = "{folder}" }}
+[model]
+kind = "{model}"
+{"width = 4" if model == "resnet" else ""}
+[federation]
+clients = 3
+min_clients = 3
+rounds = 1
+""")
+    config = load_scenario(str(scenario))
+    summary = run_simulation(config, engine="inprocess", db=f"sqlite:///{tmp_path / 's.db'}")
+    assert summary["versions"] == 1 and np.isfinite(summary["final_loss"])
