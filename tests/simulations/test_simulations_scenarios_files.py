@@ -143,3 +143,25 @@ rounds = 1
     config = load_scenario(str(scenario))
     summary = run_simulation(config, engine="inprocess", db=f"sqlite:///{tmp_path / 's.db'}")
     assert summary["versions"] == 1 and np.isfinite(summary["final_loss"])
+
+
+@pytest.mark.slow
+def test_shakespeare_gives_the_same_model_on_flowers_engine(tmp_path):
+    """Flower's Ray engine rebuilds the task from the LEAF files in its workers: the same
+    model as the in-process engine (int64 characters into the LSTM)."""
+    from server.store import Store
+
+    config = shakespeare_config(write_leaf_set(tmp_path, "shakespeare", users=4))
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    a = run_simulation(config, engine="inprocess", db=db)
+    b = run_simulation(config, engine="flower", db=db)
+    assert a["versions"] == b["versions"] == 1
+    with Store(db) as store:
+        pa = store.load_checkpoint(a["run_id"]).params
+        pb = store.load_checkpoint(b["run_id"]).params
+    assert np.abs(pa - store_initial(config)).max() > 1e-3  # the round changed the model
+    np.testing.assert_allclose(pa, pb, rtol=0, atol=1e-5)
+
+
+def store_initial(config: dict) -> np.ndarray:
+    return ScenarioTask.from_config(config).initial_params()[0]
