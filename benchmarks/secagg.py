@@ -32,6 +32,8 @@ one JSON object.
     .venv/bin/python benchmarks/secagg.py --quick    # tiny N and d, fedring only (< 30 s)
     .venv/bin/python benchmarks/secagg.py --sizes 100x1000000 --variants k3 \
         --flower-shares 3 --no-dropouts              # one cell: k = 3 against num_shares=3
+    .venv/bin/python benchmarks/secagg.py --cifar-model  # N = 100 at the size of the cifar10
+                                                     # scenario's batch-norm CNN (quick: N = 4)
 """
 
 from __future__ import annotations
@@ -439,6 +441,18 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def cifar_model_size() -> dict[str, int]:
+    """What a secure round of the cifar10 scenario's model sums: the ResNet-style CNN's
+    parameters and its floating-point batch-norm buffers (its integer batch counts stay
+    on the clients)."""
+    from simulations.models import build_model, count_parameters
+
+    model = build_model("resnet", input_shape=(3, 32, 32), num_classes=10)
+    params = count_parameters(model)
+    floats = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    return {"params": params, "float_buffers": floats, "d": params + floats}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny N and d, fedring only")
@@ -451,6 +465,8 @@ def main() -> None:
                         help="fedring variants to run: any of " + ",".join(VARIANTS))
     parser.add_argument("--no-dropouts", action="store_true",
                         help="leave out the rounds with 10%% of the clients dropped")
+    parser.add_argument("--cifar-model", action="store_true",
+                        help="only N = 100 (quick: 4) at the cifar10 scenario's model size")
     parser.add_argument("--flower-limit", type=float, default=60.0,
                         help="seconds one Flower round may take before it is stopped")
     args = parser.parse_args()
@@ -463,6 +479,9 @@ def main() -> None:
         reps, flower = args.reps or 2, not args.no_flower
     if args.sizes:
         grid = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
+    cifar = cifar_model_size() if args.cifar_model else None
+    if cifar is not None:
+        grid = [(4 if args.quick else 100, cifar["d"])]
     variants = tuple(v for v in args.variants.split(",") if v)
     flower_shares = tuple(v for v in args.flower_shares.split(",") if v)
     if not set(variants) <= set(VARIANTS) or not set(flower_shares) <= {"3", "all"}:
@@ -476,6 +495,9 @@ def main() -> None:
                             log=lambda s: print(s, file=sys.stderr, flush=True),
                             variants=variants, dropouts=not args.no_dropouts,
                             flower_shares=flower_shares))
+        if cifar is not None:
+            rows[-1]["model"] = {"kind": "resnet (cifar10 scenario, 3x32x32, batch norm)",
+                                 **cifar}
     import cryptography
     import flwr
 

@@ -35,8 +35,16 @@ difference is reported as a check.
 Cold start: wall time from spawning a fresh interpreter to the end of round 1, for (a)
 and for (b) through ``run_simulation``, alternated, median.
 
+A batch-norm CNN at CIFAR shape (``--cifar-bn``, or ``--cifar-bn-only``): the ``cifar10``
+scenario's ResNet-style model (3x32x32, batch norm, 0.31M parameters and 1,344 float
+buffers) on generated images written as CIFAR-10 python batches, IID over 100 clients
+(quick: 4 clients and width 8), 16 images each, one local epoch of batch 16, (a) and (b)
+in lockstep as above; the bare loop averages batch norm's statistics with the weights,
+as fedring does by default.
+
     python benchmarks/simulation_overhead.py [--quick] [--reps R] [--no-flower]
                                              [--sizes 10x10k,100x1m] [--no-cold]
+                                             [--cifar-bn | --cifar-bn-only]
 
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
 """
@@ -108,11 +116,14 @@ class BareLoop:
         self._torch, self._train = torch, train
         self.task = ScenarioTask.from_config(config)
         self.module = self.task.build_model()
-        params = list(self.module.parameters())
+        # Parameters and floating-point buffers (batch norm's statistics), in state-dict
+        # order as fedring's layout has them; integer buffers (batch counts) stay out.
+        params = [t for t in self.module.state_dict(keep_vars=True).values()
+                  if t.is_floating_point()]
         self.flat = torch.empty(sum(p.numel() for p in params))
         off = 0
         with torch.no_grad():
-            for p in params:  # parameters become views of ``flat``: loading is one copy
+            for p in params:  # they become views of ``flat``: loading is one copy
                 view = self.flat[off:off + p.numel()].view_as(p)
                 view.copy_(p)
                 p.data = view
@@ -348,6 +359,86 @@ def cold_start(clients: int, hidden: list[int], reps: int, threads: int) -> dict
             "samples": {k: [r4(v) for v in vs] for k, vs in samples.items()}}
 
 
+# --------------------------------------------------------------------------- CIFAR-shape BN CNN
+
+CIFAR_BN_FULL = {"clients": 100, "images_per_client": 16, "rounds": 3, "width": 32}
+CIFAR_BN_QUICK = {"clients": 4, "images_per_client": 8, "rounds": 2, "width": 8}
+CIFAR_BN_TEST_IMAGES = 64
+
+
+def write_generated_cifar(folder: str, train_images: int, seed: int = 0) -> str:
+    """Random uint8 images and labels written as CIFAR-10 python batches (five data batches
+    and a test batch of pickled dicts, as the published files); returns the folder."""
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = os.path.join(folder, f"cifar-10-batches-py-{time.time_ns()}")
+    os.makedirs(out)
+    sizes = [len(part) for part in np.array_split(np.arange(train_images), 5)]
+    files = [(f"data_batch_{i + 1}", n) for i, n in enumerate(sizes)]
+    for name, n in [*files, ("test_batch", CIFAR_BN_TEST_IMAGES)]:
+        batch = {b"batch_label": name.encode(),
+                 b"labels": rng.integers(0, 10, n).tolist(),
+                 b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"filenames": [f"{i}.png".encode() for i in range(n)]}
+        with open(os.path.join(out, name), "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+    return out
+
+
+def cifar_bn_scenario(path: str, clients: int, rounds: int, width: int) -> dict[str, Any]:
+    """The cifar10 scenario on ``path``: IID, every client every round, plain SGD."""
+    from simulations.config import load_scenario
+
+    return load_scenario("cifar10", values={
+        "data.options.path": path, "data.partitioner": "iid", "data.min_size": 1,
+        "model.width": width, "federation.clients": clients, "federation.rounds": rounds,
+        "federation.sample_fraction": 1.0, "federation.min_clients": clients,
+        "train.local_epochs": 1, "train.batch_size": 16, "train.lr": 0.05,
+        "train.momentum": 0.0, "train.weight_decay": 0.0})
+
+
+def cifar_bn_case(quick: bool, reps: int, folder: str) -> dict[str, Any]:
+    """(a) the bare loop beside (b) fedring on the batch-norm CNN at CIFAR shape."""
+    from simulations.models import count_parameters
+    from simulations.task import ScenarioTask
+
+    size = CIFAR_BN_QUICK if quick else CIFAR_BN_FULL
+    clients, rounds = size["clients"], size["rounds"]
+    path = write_generated_cifar(folder, clients * size["images_per_client"])
+    config = cifar_bn_scenario(path, clients, rounds, size["width"])
+    task = ScenarioTask.from_config(config)
+    dim = int(task.initial_params()[0].size)
+    params = count_parameters(task.build_model())
+    bare, net, period, evals = [], [], [], []
+    diffs = []
+    for _ in range(reps):
+        run = run_fedring(config, folder)
+        bare += run["bare"][1:]
+        period += run["period"][1:]
+        evals += run["eval"][1:]
+        net += [p - e for p, e in zip(run["period"][1:], run["eval"][1:], strict=True)]
+        diffs.append(run["diff"])
+    a, b = median(bare), median(net)
+    over = median([(x - y) / clients * 1e3 for x, y in zip(net, bare, strict=True)])
+    row = {"clients": clients, "images_per_client": size["images_per_client"],
+           "width": size["width"], "params": params, "float_buffers": dim - params,
+           "vector": dim, "rounds": rounds, "warm_rounds": len(bare), "bare_s": r4(a),
+           "fedring_s": r4(b), "fedring_raw_s": r4(median(period)),
+           "fedring_eval_s": r4(median(evals)), "fedring_over_bare": r4(b / a),
+           "fedring_over_bare_ms_per_client": r4(over),
+           "fedring_vs_bare_max_abs_diff": float(f"{max(diffs):.3g}"),
+           "bare_per_round_s": [r4(x) for x in bare],
+           "fedring_per_round_s": [r4(x) for x in net]}
+    log(f"CIFAR-shape BN CNN, N={clients} d={dim:,} ({params:,} parameters): bare "
+        f"{a * 1e3:.1f} ms/round, fedring {b * 1e3:.1f} (eval {row['fedring_eval_s']} s "
+        f"subtracted): {row['fedring_over_bare']}x, +{over:.2f} ms/client; model max |diff| "
+        f"{row['fedring_vs_bare_max_abs_diff']}")
+    return row
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -462,6 +553,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads here and in the cold starts (Ray actors get 1 "
                              "each); 1 keeps a shared machine's noise down")
+    parser.add_argument("--cifar-bn", action="store_true",
+                        help="also the batch-norm CNN at CIFAR shape, 100 clients (quick: 4)")
+    parser.add_argument("--cifar-bn-only", action="store_true",
+                        help="only the batch-norm CNN at CIFAR shape")
     parser.add_argument("--cold-child", choices=("bare", "fedring"), help=argparse.SUPPRESS)
     parser.add_argument("--cold-clients", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--cold-hidden", default="[128]", help=argparse.SUPPRESS)
@@ -482,8 +577,13 @@ def main() -> None:
     with_flower = not (quick or args.no_flower)
     log(f"simulation_overhead: {'quick' if quick else 'full'}, {rounds} rounds (first is "
         f"warm-up), {reps} fedring run(s) per size; load average {load_before[0]:.2f}")
+    if args.cifar_bn_only:
+        sizes, args.no_cold = [], True
     results = []
+    cifar_bn = None
     with tempfile.TemporaryDirectory() as folder:
+        if args.cifar_bn or args.cifar_bn_only:
+            cifar_bn = cifar_bn_case(quick, reps=1, folder=folder)
         for clients, hidden in sizes:
             # Ray at N=100 with 1M parameters is the slow part: one warm round fewer there.
             f_rounds = rounds - 1 if clients >= 100 and hidden == LARGE else rounds
@@ -509,7 +609,8 @@ def main() -> None:
         "loadavg_after": load_average(),
         "results": results,
         "cold_start": cold,
-        "targets": targets(results, cold),
+        "cifar_bn": cifar_bn,
+        "targets": targets(results, cold) if results else {},
         "wall_s": round(time.perf_counter() - started, 1),
     }
     for name, t in summary["targets"].items():

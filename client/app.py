@@ -28,6 +28,7 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
+from client import local_state
 from client.compression import reply_record
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
@@ -36,7 +37,7 @@ from client.protocol.npy import ReplyBuffers
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
 from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
-from client.training import evaluate, train, train_dp_sgd
+from client.training import check_model, evaluate, resolve_device, train, train_dp_sgd
 from privacy.dp import local_dp_update
 from privacy.secagg import ProtocolError
 
@@ -45,7 +46,8 @@ MESSAGE_REFUSED = 400  # Error code of the reply to a server message the client 
 
 @dataclass
 class _Worker:
-    """Per-process state reused across messages: one model, cached partitions."""
+    """Per-process state reused across messages: one model and the cached partitions,
+    both on the task's device (``train.device``)."""
 
     task: ClientTask
     model: FlatModel
@@ -53,11 +55,13 @@ class _Worker:
     delta: np.ndarray  # reused for every reply's delta before it is serialised
     replies: ReplyBuffers = field(default_factory=ReplyBuffers)  # in-process
     spans: list[tuple[str, slice]] = field(default_factory=list)  # each tensor in the flat
+    local: list[tuple[str, slice]] = field(default_factory=list)  # what FedBN keeps
 
     def __post_init__(self) -> None:
         layout = self.model.layout
         self.spans = [(name, slice(off, off + size)) for name, off, size
                       in zip(layout.names, layout.offsets, layout.sizes, strict=True)]
+        self.local = local_state.local_spans(self.model)
 
 
 @dataclass
@@ -131,10 +135,13 @@ class FedringClient:
         if worker is None:
             try:
                 task = self._task_factory(json.loads(key))
+                device = resolve_device(task.train_config.device)  # "cuda" without CUDA
+                module = task.build_model()
+                check_model(module, task.train_config)  # e.g. DP-SGD with batch norm
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 raise WireError(f"config '{ConfigKey.TASK}' is not a task this client can "
                                 f"build: {exc}") from exc
-            model = FlatModel(task.build_model())
+            model = FlatModel(module, device)
             worker = _Worker(task=task, model=model, data={},
                              delta=np.empty(model.dim, dtype=np.float32))
             _WORKERS.clear()  # one task per process at a time
@@ -150,8 +157,9 @@ class FedringClient:
         return pid
 
     def _data(self, worker: _Worker, pid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if pid not in worker.data:
-            worker.data[pid] = worker.task.partition(pid)
+        if pid not in worker.data:  # moved to the model's device once
+            x, y = worker.task.partition(pid)
+            worker.data[pid] = (x.to(worker.model.device), y.to(worker.model.device))
         return worker.data[pid]
 
     def local_update(self, msg: Message, context: Context) -> LocalUpdate:
@@ -164,10 +172,12 @@ class FedringClient:
         model = worker.model
         base = model_views(record, model.layout)  # the global model, zero-copy
         flatten_model(base, model.layout, out=model.flat_np)
+        fedbn = _flag(config, ConfigKey.LOCAL_BUFFERS)
+        local_state.restore(context.state, model, fedbn)  # this node's own buffers
+        model.to_device()  # the one copy to the device (none on the CPU)
         global_params = None
-        if worker.task.train_config.proximal_mu > 0:
-            global_params = [torch.from_numpy(np.array(base[n], dtype=np.float32))
-                             for n in model.layout.names]
+        if worker.task.train_config.proximal_mu > 0:  # the anchor: parameters only
+            global_params = [p.detach().clone() for p in model.module.parameters()]
         server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
         seed = training_seed(worker.task.seed, server_round, pid)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
@@ -178,11 +188,15 @@ class FedringClient:
             loss = train(model.module, x, y, worker.task.train_config, seed=seed,
                          global_params=global_params)
         metrics["train_loss"] = loss
+        model.to_host()  # the one copy back to the host (none on the CPU)
+        local_state.keep(context.state, model, fedbn)
         # In-process, the delta is written straight into the buffer its reply will carry.
         in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
         delta = worker.replies.delta(model.dim) if in_process else worker.delta
         for name, span in worker.spans:
             np.subtract(model.flat_np[span], base[name].reshape(-1), out=delta[span])
+        for _, span in worker.local if fedbn else ():
+            delta[span] = 0.0  # FedBN: kept here, never averaged
         if worker.task.local_dp is not None:
             clip, z = worker.task.local_dp
             delta, _ = local_dp_update(delta, clip, z, noise_rng())
@@ -218,6 +232,8 @@ class FedringClient:
         model = worker.model
         read_model(record_of(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout,
                    out=model.flat_np)
+        local_state.restore(context.state, model, _flag(config, ConfigKey.LOCAL_BUFFERS))
+        model.to_device()
         loss, acc = evaluate(model.module, x, y)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x), "eval_loss": loss, "eval_acc": acc})
         return Message(RecordDict({RecordName.METRICS: metrics}), reply_to=msg)
@@ -231,6 +247,13 @@ def make_client_app(task_factory: TaskFactory, resolve_spec: SpecResolver) -> Cl
     app.evaluate()(client.evaluate)
     register_secagg(app, client.local_update)
     return app
+
+
+def _flag(config: ConfigRecord, key: str) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise WireError(f"config '{key}' must be a boolean, got {value!r}")
+    return value
 
 
 def _int_setting(config: ConfigRecord, key: str) -> int:

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 OPTIMIZERS = ("sgd", "adam")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The ``[train]`` section: local epochs, batch size, optimizer and FedProx's mu."""
+    """The ``[train]`` section: local epochs, batch size, optimizer, FedProx's mu, DP-SGD
+    and the device clients train on (``auto``: CUDA where present, else the CPU)."""
 
     local_epochs: int = 1
     batch_size: int = 32
@@ -25,8 +28,12 @@ class TrainConfig:
     dp_sgd_noise_multiplier: float = 0.0
     dp_sgd_max_grad_norm: float = 1.0
     dp_sgd_delta: float = 1e-5
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"train.device must be one of {', '.join(DEVICES)}, got "
+                             f"'{self.device}'")
         if self.local_epochs < 1:
             raise ValueError(f"train.local_epochs must be >= 1, got {self.local_epochs}")
         if self.batch_size < 1:
@@ -55,6 +62,43 @@ class TrainConfig:
         return self.dp_sgd_noise_multiplier > 0
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``train.device`` names here: ``auto`` is CUDA where present."""
+    if name not in DEVICES:
+        raise ValueError(f"train.device must be one of {', '.join(DEVICES)}, got '{name}'")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device = 'cuda' but CUDA is not available on this machine "
+                         "(torch.cuda.is_available() is False): set train.device = 'auto' "
+                         "(CUDA where present, else the CPU) or 'cpu'")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def batch_norm_layers(module: torch.nn.Module) -> list[str]:
+    """Names of the batch-norm layers in ``module``."""
+    return [name or type(module).__name__ for name, sub in module.named_modules()
+            if isinstance(sub, _BatchNorm)]
+
+
+def has_batch_norm(module: torch.nn.Module) -> bool:
+    return any(isinstance(sub, _BatchNorm) for sub in module.modules())
+
+
+def check_model(module: torch.nn.Module, cfg: TrainConfig) -> None:
+    """Fail at start on a model that local training with ``cfg`` cannot train: DP-SGD's
+    per-sample gradients are undefined under batch norm, which mixes the samples of a batch."""
+    if not cfg.dp_sgd:
+        return
+    norms = batch_norm_layers(module)
+    if norms:
+        raise ValueError(f"DP-SGD (train.dp_sgd_noise_multiplier > 0) cannot train a model "
+                         f"with batch norm (layers {', '.join(norms[:5])}): batch norm mixes "
+                         "the samples of a batch, so per-sample gradients are undefined. "
+                         "Replace it with torch.nn.GroupNorm (or LayerNorm), or set "
+                         "train.dp_sgd_noise_multiplier = 0")
+
+
 def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
     """The local optimizer ``cfg`` names, over ``params``."""
     if cfg.optimizer == "adam":
@@ -80,9 +124,11 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     n = len(x)
     rate = min(1.0, cfg.batch_size / n)
     params = [p for p in module.parameters() if p.requires_grad]
+    check_model(module, cfg)
+    device = x.device
     gsm = GradSampleModule(module)
     gen = torch.Generator().manual_seed(secrets.randbits(63))  # the batches
-    noise = torch.Generator().manual_seed(secrets.randbits(63))
+    noise = torch.Generator(device=device).manual_seed(secrets.randbits(63))
     opt = DPOptimizer(make_optimizer(params, cfg), noise_multiplier=cfg.dp_sgd_noise_multiplier,
                       max_grad_norm=cfg.dp_sgd_max_grad_norm,
                       expected_batch_size=max(1, round(rate * n)), generator=noise)
@@ -91,7 +137,7 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     try:
         gsm.train()
         for _ in range(cfg.local_epochs * max(1, round(1 / rate))):
-            idx = torch.nonzero(torch.rand(n, generator=gen) < rate).flatten()
+            idx = torch.nonzero(torch.rand(n, generator=gen) < rate).flatten().to(device)
             if len(idx) == 0:
                 continue
             opt.zero_grad(set_to_none=True)
@@ -111,7 +157,11 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     """Train in place for ``cfg.local_epochs`` and return the mean training loss.
 
     With ``cfg.proximal_mu > 0`` the FedProx term (mu/2)||w - w_global||^2 is added
-    (Li et al. 2020); ``global_params`` are the global model's tensors in parameter order.
+    (Li et al. 2020); ``global_params`` are the global model's tensors in parameter order
+    (parameters only: buffers such as batch norm's statistics are not trained, they follow
+    the batches). Training runs where ``module`` and ``x`` are; the batch order is drawn on
+    the CPU from ``seed``, the same on every device. With batch norm a last batch of one
+    sample is skipped: batch norm cannot normalise a single sample.
     """
     params = [p for p in module.parameters() if p.requires_grad]
     if cfg.proximal_mu > 0 and (global_params is None or len(global_params) != len(params)):
@@ -120,11 +170,14 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     opt = make_optimizer(params, cfg)
     gen = torch.Generator().manual_seed(seed)
     n = len(x)
+    smallest = 2 if has_batch_norm(module) else 1
     total, steps = 0.0, 0
     for _ in range(cfg.local_epochs):
-        order = torch.randperm(n, generator=gen)
+        order = torch.randperm(n, generator=gen).to(x.device)
         for start in range(0, n, cfg.batch_size):
             idx = order[start:start + cfg.batch_size]
+            if len(idx) < smallest:
+                continue
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(module(x[idx]), y[idx])
             if cfg.proximal_mu > 0:

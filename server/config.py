@@ -164,6 +164,7 @@ class AggregationConfig:
     trim_beta: float = 0.1
     multikrum_m: int = 0
     bulyan_selection: str = "iterated"
+    local_buffers: bool = False  # FedBN: batch norm layers and buffers stay on each client
 
     def __post_init__(self) -> None:
         check_choice("aggregation.combine", self.combine, (*LINEAR_COMBINES, *ROBUST_KINDS))

@@ -66,14 +66,18 @@ class RunContext:
         self.clock: Clock = clock or WallClock()
         params, layout = task.initial_params()
         self.layout: Layout = layout
+        # FedBN: the entries each client keeps (batch norm, buffers); None: all averaged
+        self.local_mask = (layout.mask(layout.local) if scenario.aggregation.local_buffers
+                           and any(layout.local) else None)
         self.state = RunState(params=params)
         self.task_json = json.dumps(task.task_spec(), sort_keys=True)
 
     def train_config(self, server_round: int, compression: str | None = None) -> ConfigRecord:
-        """The config every training message carries: round, model version, task, seed and
-        the compression request (``client.protocol.train.train_config``)."""
+        """The config every training message carries: round, model version, task, seed,
+        the compression request and FedBN's flag (``client.protocol.train.train_config``)."""
         return train_config(server_round, self.state.version, self.task_json, self.seed,
-                            compression=compression)
+                            compression=compression,
+                            local_buffers=self.scenario.aggregation.local_buffers)
 
     def model_record(self) -> ArrayRecord:
         """The current model as the ``arrays`` record of a training message."""

@@ -94,8 +94,11 @@ class RunLoop:
         if self.audit is not None:  # sizes the canaries of a run without DP
             self.audit.observe_norms(r.norm for r in result.records
                                      if r.fate == "accepted" and r.norm is not None)
+        kept = state.params[ctx.local_mask] if ctx.local_mask is not None else None
         state.params = ctx.pipeline.apply(state.params, result.aggregate,
                                           total_weight=result.total_weight, count=result.count)
+        if kept is not None:  # FedBN: the clients keep these; the server's stay as they were
+            state.params[ctx.local_mask] = kept
         if applied:
             state.version += 1
         state.round = rnd

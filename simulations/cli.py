@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from simulations.engine_config import EngineConfig
 
 DEFAULT_DB = "sqlite:///runs/fedring.db"
 ENGINES = ("inprocess", "flower")
@@ -27,12 +32,22 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     return load_scenario(args.scenario, args.set, values=values)
 
 
+def engine_on(device: str, engine: EngineConfig) -> EngineConfig:
+    """``engine`` with a GPU share per Ray client when clients train on CUDA and
+    ``engine.client_gpus`` is not set: as many clients at once as there are cores (Ray
+    hides the GPU from actors that ask for none)."""
+    if device != "cuda" or engine.client_gpus > 0:
+        return engine
+    return dataclasses.replace(engine, client_gpus=1.0 / max(1, os.cpu_count() or 1))
+
+
 def run_simulation(config: dict[str, Any], *, engine: str, db: str,
                    reporter: Any = None, resume: str | None = None) -> dict[str, Any]:
     """Run a resolved scenario on an engine with fedring's ServerApp and ClientApp
     (``resume``: continue that run from its last checkpoint)."""
     from flwr.app import Context, RecordDict
 
+    from client.training import resolve_device
     from server.app import make_server_app
     from simulations.apps import (
         build_task,
@@ -45,6 +60,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
 
     build_task(config)  # fails here, before any engine starts, on bad data or model settings
     TrackingConfig(**config.get("tracking", {})).require()  # and on a missing extra
+    device = resolve_device(config["train"]["device"]).type  # clients train on this machine
     cross_silo = config.get("driver", {}).get("kind") == "cross_silo"
     if cross_silo and engine != "inprocess":
         raise ValueError("driver.kind 'cross_silo' needs every silo of a ring running at once: "
@@ -72,7 +88,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         from simulations.flower_engine import run_on_ray
 
         run_on_ray(server_app, client_app, num_supernodes=clients,
-                   engine=EngineConfig(**config.get("engine", {})))
+                   engine=engine_on(device, EngineConfig(**config.get("engine", {}))))
     else:
         raise ValueError(f"unknown engine '{engine}'; choose one of: {', '.join(ENGINES)}")
     if not result:

@@ -1,8 +1,10 @@
-"""Datasets for simulations: scikit-learn digits, FedProx Synthetic(alpha, beta), user .npz files.
+"""Datasets for simulations: scikit-learn digits, FedProx Synthetic(alpha, beta), user .npz
+files, CIFAR-10/100 python batches and LEAF JSON (FEMNIST, Shakespeare, Sent140).
 
-Every loader returns a :class:`Dataset` with float32 inputs shaped ``[n, *input_shape]`` and int64
-labels in ``[0, num_classes)``. Nothing here downloads anything: ``digits`` ships with
-scikit-learn, ``synthetic`` is generated, and ``npz`` reads a file the user fetched themselves.
+Every loader returns a :class:`Dataset` with inputs shaped ``[n, *input_shape]`` (float32, or
+int64 token indices for text read as characters: ``shakespeare``) and int64 labels in
+``[0, num_classes)``. Nothing here downloads anything: ``digits`` ships with scikit-learn,
+``synthetic`` is generated, and the others read files the user fetched themselves.
 
 scikit-learn is imported only when ``digits`` is loaded, so importing this module stays cheap.
 """
@@ -25,7 +27,8 @@ class Dataset:
     """A train/test split ready for partitioning.
 
     ``groups`` (int64, one entry per training sample) is the natural client of each training
-    sample when the data has one (``synthetic``: the generating user), else ``None``.
+    sample when the data has one (``synthetic``: the generating user; the LEAF sets: the
+    LEAF user), else ``None``. Inputs are float32, or int64 token indices (``shakespeare``).
 
     Equality and hashing are by identity (``eq=False``): field-wise ``==`` on numpy arrays is
     ambiguous.
@@ -48,8 +51,9 @@ class Dataset:
         for split in ("train", "test"):
             x = getattr(self, f"x_{split}")
             y = getattr(self, f"y_{split}")
-            if x.dtype != np.float32:
-                raise ValueError(f"dataset {self.name!r}: x_{split} must be float32, got {x.dtype}")
+            if x.dtype not in (np.float32, np.int64):
+                raise ValueError(f"dataset {self.name!r}: x_{split} must be float32 (or int64 "
+                                 f"token indices), got {x.dtype}")
             if y.dtype != np.int64 or y.ndim != 1:
                 raise ValueError(f"dataset {self.name!r}: y_{split} must be 1-D int64")
             if x.shape[1:] != shape:
@@ -103,6 +107,11 @@ def load_dataset(name: str, *, seed: int, test_fraction: float = 0.2, **params: 
     - ``synthetic``: ``alpha``, ``beta`` (default 1.0 each), ``num_users`` (30), ``iid``
       (False), ``max_samples_per_user`` (None: uncapped); see :func:`generate_synthetic`.
     - ``npz``: ``path`` (required); ``test_fraction`` is not used, the file holds the split.
+    - ``cifar10``, ``cifar100``: ``path`` (required), the unpacked python-version folder; the
+      files hold the split. See :mod:`simulations.cifar`.
+    - ``femnist``, ``shakespeare``, ``sent140``: ``path`` (required), the LEAF folder holding
+      ``train/`` and ``test/``; ``max_users`` (all); ``features`` (sent140 only, 1024). The
+      files hold the split; ``groups`` is the LEAF user. See :mod:`simulations.leaf`.
     """
     if name not in _LOADERS:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}")
@@ -381,9 +390,32 @@ def _load_npz(
     )
 
 
+# --------------------------------------------------------------------------------------------
+# files in their published formats (readers in simulations.cifar and simulations.leaf)
+
+
+def _from_files(name: str) -> Callable[..., Dataset]:
+    def load(*, seed: int, test_fraction: float, **params: Any) -> Dataset:
+        del seed, test_fraction  # the files hold the split
+        if name.startswith("cifar"):
+            from simulations.cifar import load_cifar
+
+            return Dataset(name=name, **load_cifar(name, **params))
+        from simulations.leaf import load_leaf
+
+        return Dataset(name=name, **load_leaf(name, **params))
+
+    return load
+
+
 _LOADERS: Mapping[str, tuple[Callable[..., Dataset], frozenset[str]]] = {
+    "cifar10": (_from_files("cifar10"), frozenset({"path"})),
+    "cifar100": (_from_files("cifar100"), frozenset({"path"})),
     "digits": (_load_digits, frozenset()),
+    "femnist": (_from_files("femnist"), frozenset({"path", "max_users"})),
     "npz": (_load_npz, frozenset({"path"})),
+    "sent140": (_from_files("sent140"), frozenset({"path", "max_users", "features"})),
+    "shakespeare": (_from_files("shakespeare"), frozenset({"path", "max_users"})),
     "synthetic": (
         _load_synthetic,
         frozenset({"alpha", "beta", "num_users", "iid", "max_samples_per_user"}),

@@ -17,7 +17,7 @@ import torch
 
 from aggregation import Layout
 from client.flat_model import FlatModel
-from client.training import TrainConfig, evaluate
+from client.training import TrainConfig, check_model, evaluate
 from privacy.dp import DPConfig
 from simulations.attacks import Attack, AttackConfig
 from simulations.datasets import Dataset, load_dataset
@@ -124,6 +124,7 @@ class ScenarioTask:
         return dict(self.spec)
 
     def check(self) -> None:
-        """Fail at start if the data cannot be loaded or split, or the model not built."""
+        """Fail at start if the data cannot be loaded or split, the model not built, or
+        local training cannot train it (DP-SGD with batch norm)."""
         self.partitions()
-        self.build_model()
+        check_model(self.build_model(), self.train_config)

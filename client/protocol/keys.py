@@ -34,6 +34,7 @@ class ConfigKey(Names):
     TASK = "fedring.task"  # JSON of the data/model/train sections
     SEED = "fedring.seed"  # the run seed
     COMPRESSION = "fedring.compression"  # JSON of [compression] and "run" (compression.py)
+    LOCAL_BUFFERS = "fedring.local-buffers"  # True: FedBN, batch norm stays on each client
 
 
 class MetricKey(Names):

@@ -24,10 +24,16 @@ def model_record(layout: Layout, params: np.ndarray) -> ArrayRecord:
 
 def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
     """Zero-copy views of a per-layer model record, checked against the layout's names
-    and float dtypes (shapes are checked when they are flattened)."""
+    and float dtypes (shapes are checked when they are flattened).
+
+    Integer tensors the layout does not hold are left out: they are buffers that each
+    client keeps for itself (batch norm's ``num_batches_tracked``, which a stock Flower
+    client sends with its state dict), never averaged.
+    """
     if not isinstance(record, ArrayRecord):
         raise WireError(f"expected an ArrayRecord, got {type(record).__name__}")
-    names = set(record.keys())
+    names = {name for name in record
+             if name in layout.names or not _integer(record[name].dtype)}
     if names != set(layout.names):
         missing = sorted(set(layout.names) - names)
         extra = sorted(names - set(layout.names))
@@ -38,6 +44,13 @@ def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
         if a.dtype.kind != "f":  # a floating type
             raise WireError(f"tensor '{name}' has dtype {a.dtype}, expected a float type")
     return arrays
+
+
+def _integer(dtype: str) -> bool:
+    try:
+        return np.dtype(dtype).kind in "iub"
+    except TypeError:
+        return False
 
 
 def flatten_model(views: Mapping[str, np.ndarray], layout: Layout,

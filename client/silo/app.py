@@ -32,6 +32,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from aggregation.ring import RingError, RingTimeout
+from client import local_state
 from client.app import FedringClient, LocalUpdate, noise_rng, record_of, training_seed
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
@@ -60,18 +61,16 @@ class SiloWorker:
     """One task's model and data in this process, on the silo's device."""
 
     task: ClientTask
-    model: FlatModel  # float32 parameters on the CPU: what comes in and goes out
-    module: torch.nn.Module  # what trains: ``model.module`` on the CPU, a copy on a GPU
+    model: FlatModel  # on the silo's device; ``model.flat_np``: what comes in and goes out
+    module: torch.nn.Module  # what trains: ``model.module``
     device: torch.device
     delta: np.ndarray
     data: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, task: ClientTask, device: torch.device) -> SiloWorker:
-        model = FlatModel(task.build_model())
-        module = model.module if device.type == "cpu" else \
-            FlatModel(task.build_model()).module.to(device)
-        return cls(task=task, model=model, module=module, device=device,
+        model = FlatModel(task.build_model(), device)
+        return cls(task=task, model=model, module=model.module, device=device,
                    delta=np.empty(model.dim, dtype=np.float32))
 
     def partition(self, pid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,17 +80,12 @@ class SiloWorker:
         return self.data[pid]
 
     def to_module(self) -> None:
-        """Copy the flat parameters into the training module (a no-op on the CPU)."""
-        if self.module is not self.model.module:
-            torch.nn.utils.vector_to_parameters(self.model.flat.to(self.device),
-                                                self.module.parameters())
+        """Copy the host vector into the training module (a no-op on the CPU)."""
+        self.model.to_device()
 
     def from_module(self) -> None:
-        """Copy the trained module's parameters back into the flat vector."""
-        if self.module is not self.model.module:
-            with torch.no_grad():
-                self.model.flat.copy_(
-                    torch.nn.utils.parameters_to_vector(self.module.parameters()).cpu())
+        """Copy the trained module's parameters and buffers back into the host vector."""
+        self.model.to_host()
 
 
 class WorkerCache:
@@ -165,6 +159,8 @@ class SiloClient(FedringClient):
         flatten_model(base, model.layout, out=model.flat_np)
         delta = worker.delta
         np.copyto(delta, model.flat_np)  # the global model, until the delta replaces it
+        fedbn = config.get(ConfigKey.LOCAL_BUFFERS) is True
+        local_state.restore(context.state, model, fedbn)  # this silo's own buffers
         worker.to_module()
         seed = training_seed(worker.task.seed, int(config.get(ConfigKey.SERVER_ROUND, 0)), pid)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
@@ -177,8 +173,11 @@ class SiloClient(FedringClient):
                      if cfg.proximal_mu > 0 else None)
             loss = train(worker.module, x, y, cfg, seed=seed, global_params=start)
         worker.from_module()
+        local_state.keep(context.state, model, fedbn)
         metrics["train_loss"] = loss
         np.subtract(model.flat_np, delta, out=delta)
+        for _, span in local_state.local_spans(model) if fedbn else ():
+            delta[span] = 0.0  # FedBN: kept here, never averaged
         if worker.task.local_dp is not None:
             clip, z = worker.task.local_dp
             delta, _ = local_dp_update(delta, clip, z, noise_rng())

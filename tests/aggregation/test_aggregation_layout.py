@@ -102,12 +102,32 @@ def test_flatten_into_given_buffer() -> None:
 
 
 def test_to_dict_from_dict_through_json() -> None:
-    layout = Layout.of(_model().state_dict())
+    sd = _model().state_dict()
+    layout = Layout.of(sd, buffers={"1.running_mean", "1.running_var"},
+                       norm={n for n in sd if n.startswith("1.")})
     d = json.loads(json.dumps(layout.to_dict()))
-    assert set(d) == {"names", "shapes", "dtypes"}
+    assert set(d) == {"names", "shapes", "dtypes", "trainable", "norm"}
     again = Layout.from_dict(d)
     assert again == layout
     assert again.dim == layout.dim and again.offsets == layout.offsets
+    # a layout written before the flags existed: all parameters, no normalization layer
+    old = Layout.from_dict({k: d[k] for k in ("names", "shapes", "dtypes")})
+    assert old.trainable == (True,) * len(sd) and old.norm == (False,) * len(sd)
+
+
+def test_flags_tell_parameters_buffers_and_what_fedbn_keeps() -> None:
+    arrays = {"w": np.zeros((2, 3)), "bn.weight": np.zeros(2), "bn.mean": np.zeros(2),
+              "extra": np.zeros(1), "b": np.zeros(3)}
+    layout = Layout.of(arrays, buffers={"bn.mean", "extra"}, norm={"bn.weight", "bn.mean"})
+    assert layout.trainable == (True, True, False, False, True)
+    assert layout.local == (False, True, True, True, False)  # norm layers and every buffer
+    mask = layout.mask(layout.local)
+    assert mask.dtype == bool and mask.shape == (layout.dim,)
+    np.testing.assert_array_equal(np.flatnonzero(mask), [6, 7, 8, 9, 10])
+    with pytest.raises(ValueError, match="one flag per layout entry"):
+        layout.mask((True,))
+    with pytest.raises(ValueError, match="trainable must have one entry per name"):
+        Layout(("a", "b"), ((1,), (2,)), ("float32", "float32"), trainable=(True,))
 
 
 def test_empty_layout() -> None:

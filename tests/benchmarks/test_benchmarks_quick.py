@@ -16,9 +16,9 @@ from privacy.secagg.workers import default_threads
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick(script: str, timeout: float = 180) -> dict[str, Any]:
+def run_quick(script: str, timeout: float = 180, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run ``benchmarks/<script> --quick``; return the JSON object on its last stdout line."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *extra],
                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -47,6 +47,24 @@ def test_simulation_overhead_quick() -> None:
         assert positive(cold[key]), (key, cold[key])
     for target in result["targets"].values():
         assert target["met"] in (True, False, None)
+
+
+@pytest.mark.slow
+def test_simulation_overhead_cifar_bn_quick() -> None:
+    """The batch-norm CNN at CIFAR shape: fedring and the bare loop end with the same
+    weights and batch-norm statistics."""
+    from simulations.models import build_model, count_parameters
+
+    result = run_quick("simulation_overhead.py", extra=("--cifar-bn-only",))
+    assert result["results"] == [] and result["cold_start"] is None
+    row = result["cifar_bn"]
+    model = build_model("resnet", input_shape=(3, 32, 32), num_classes=10, width=8)
+    floats = sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    assert row["clients"] == 4 and row["params"] == count_parameters(model)
+    assert row["float_buffers"] == floats > 0 and row["vector"] == row["params"] + floats
+    for key in ("bare_s", "fedring_s", "fedring_raw_s", "fedring_eval_s", "fedring_over_bare"):
+        assert positive(row[key]), (key, row[key])
+    assert row["fedring_vs_bare_max_abs_diff"] < 1e-4
 
 
 @pytest.mark.slow
@@ -95,6 +113,21 @@ def test_secagg_quick() -> None:
             assert positive(drop["unmask_s"]) and positive(drop["prg_dropped_masks_s"])
     for target in result["targets"].values():
         assert target["met"] in (True, False, None)
+
+
+@pytest.mark.slow
+def test_secagg_quick_at_the_cifar_model_size() -> None:
+    from simulations.models import build_model
+
+    model = build_model("resnet", input_shape=(3, 32, 32), num_classes=10)
+    d = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for b in model.buffers() if b.is_floating_point())
+    result = run_quick("secagg.py", extra=("--cifar-model", "--variants", "k3",
+                                           "--no-dropouts"))
+    [row] = result["results"]
+    assert (row["N"], row["d"]) == (4, d) and row["model"]["d"] == d
+    assert positive(row["plain"]["round_s"]) and positive(row["fedring_k3"]["round_s"])
+    assert row["fedring_k3"]["k"] == 3
 
 
 @pytest.mark.slow

@@ -10,10 +10,11 @@ from simulations.partitioners import partition
 
 
 def test_names_and_unknown():
-    assert dataset_names() == ["digits", "npz", "synthetic"]
+    assert dataset_names() == ["cifar10", "cifar100", "digits", "femnist", "npz", "sent140",
+                             "shakespeare", "synthetic"]
     with pytest.raises(ValueError) as info:
         load_dataset("mnist", seed=0)
-    assert str(info.value) == "unknown dataset 'mnist'; choose one of: digits, npz, synthetic"
+    assert str(info.value).startswith("unknown dataset 'mnist'; choose one of: cifar10, ")
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from simulations.models import build_model, count_parameters, model_names
 
 
 def test_names():
-    assert model_names() == ["cnn", "logreg", "mlp"]
+    assert model_names() == ["bn_mlp", "char_lstm", "cnn", "logreg", "mlp", "resnet"]
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,14 @@ def test_sgd_reduces_loss_on_digits(kind, params, lr):
 @pytest.mark.parametrize(
     ("kind", "kwargs", "pattern"),
     [
-        ("resnet", {}, "unknown model 'resnet'; choose one of: cnn, logreg, mlp"),
+        ("vgg", {}, "unknown model 'vgg'; choose one of: bn_mlp, char_lstm, cnn, logreg, mlp, "
+                        "resnet"),
+        ("resnet", {"input_shape": (64,)}, r"resnet needs input_shape \(channels, height"),
+        ("resnet", {"input_shape": (3, 3, 32)}, "height, width >= 4"),
+        ("resnet", {"width": 0}, "width must be a positive int"),
+        ("resnet", {"blocks": 1.5}, "blocks must be a positive int"),
+        ("char_lstm", {}, r"char_lstm needs input_shape \(sequence length,\)"),
+        ("char_lstm", {"input_shape": (80,), "hidden": 0}, "hidden must be a positive int"),
         ("mlp", {"hidden_sizes": [3]}, "unknown parameter 'hidden_sizes' for model 'mlp'"),
         ("logreg", {"hidden": [3]}, "unknown parameter 'hidden' for model 'logreg'"),
         ("cnn", {"dropout": 0.5}, "unknown parameter 'dropout' for model 'cnn'"),
@@ -127,3 +134,116 @@ def test_errors_name_the_problem(kind, kwargs, pattern):
     args = {"input_shape": (1, 8, 8), "num_classes": 10} | kwargs
     with pytest.raises(ValueError, match=pattern):
         build_model(kind, **args)
+
+
+# ------------------------------------------------------------------ resnet (batch norm)
+
+
+@pytest.fixture
+def one_thread():
+    """Convolutions on a busy two-core machine run far faster on one thread than on two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def conv_bn(c_in: int, c_out: int, k: int) -> int:
+    """Parameters of a bias-free k x k convolution and its batch norm (weight and bias)."""
+    return c_in * c_out * k * k + 2 * c_out
+
+
+def block(c_in: int, c_out: int) -> int:
+    shortcut = conv_bn(c_in, c_out, 1) if c_in != c_out else 0
+    return conv_bn(c_in, c_out, 3) + conv_bn(c_out, c_out, 3) + shortcut
+
+
+@pytest.mark.parametrize(("width", "blocks", "classes"), [(32, 1, 10), (16, 2, 100), (48, 1, 10)])
+def test_resnet_parameters_by_hand(width, blocks, classes):
+    w = width
+    stages = [(w, w), (w, 2 * w), (2 * w, 4 * w)]
+    expected = conv_bn(3, w, 3) + (4 * w * classes + classes)
+    for c_in, c_out in stages:
+        expected += block(c_in, c_out) + (blocks - 1) * block(c_out, c_out)
+    model = build_model("resnet", input_shape=(3, 32, 32), num_classes=classes, width=width,
+                        blocks=blocks)
+    assert count_parameters(model) == expected
+
+
+def test_resnet_default_is_cifar_sized_with_batch_norm(one_thread):
+    torch.manual_seed(0)
+    model = build_model("resnet", input_shape=(3, 32, 32), num_classes=10)
+    assert 300_000 <= count_parameters(model) <= 1_000_000
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(bns) == 1 + 3 * 2 + 2  # stem, two per block, two projection shortcuts
+    names = {n for n, _ in model.named_buffers()}
+    assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= names
+    x = torch.randn(8, 3, 32, 32)
+    model.train()
+    out = model(x)
+    assert out.shape == (8, 10)
+    assert int(model[1].num_batches_tracked) == 1 and model[1].running_mean.abs().sum() > 0
+    model.eval()  # running statistics, not the batch's: the outputs change
+    assert not torch.allclose(out, model(x))
+    # the spatial size halves twice: 32 -> 16 -> 8 before the global pool
+    seen = []
+    hook = model[-3].register_forward_hook(lambda m, i, o: seen.append(i[0].shape))
+    model(x)
+    hook.remove()
+    assert seen == [(8, 128, 8, 8)]
+
+
+def test_resnet_learns(one_thread):
+    torch.manual_seed(0)
+    x = torch.randn(32, 3, 16, 16)
+    y = (x[:, 0].mean(dim=(1, 2)) > 0).long()  # a label the first channel decides
+    model = build_model("resnet", input_shape=(3, 16, 16), num_classes=2, width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+# ------------------------------------------------------------------------------ char_lstm
+
+
+def lstm_layer(inputs: int, hidden: int) -> int:
+    """Four gates, each with input and recurrent weights and two bias vectors (PyTorch)."""
+    return 4 * hidden * (inputs + hidden) + 2 * 4 * hidden
+
+
+def test_char_lstm_is_leafs_shakespeare_model(one_thread):
+    torch.manual_seed(0)
+    model = build_model("char_lstm", input_shape=(80,), num_classes=80)
+    expected = 80 * 8 + lstm_layer(8, 256) + lstm_layer(256, 256) + (256 * 80 + 80)
+    assert count_parameters(model) == expected == 819_920
+    assert model.embedding.num_embeddings == 80 and model.embedding.embedding_dim == 8
+    assert model.lstm.num_layers == 2 and model.lstm.hidden_size == 256
+    assert len(list(model.buffers())) == 0
+    x = torch.randint(0, 80, (5, 80), dtype=torch.int64)
+    out = model(x)
+    assert out.shape == (5, 80) and out.dtype == torch.float32
+    # the prediction reads the last step's output: the last character reaches it
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1) % 80
+    assert not torch.allclose(out, model(y))
+
+
+def test_char_lstm_learns_next_character(one_thread):
+    torch.manual_seed(0)
+    x = torch.randint(0, 10, (128, 12))
+    y = x[:, -1]  # the next character repeats the last one
+    model = build_model("char_lstm", input_shape=(12,), num_classes=10, hidden=32, layers=1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    for _ in range(60):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert (model(x).argmax(1) == y).float().mean() > 0.9
