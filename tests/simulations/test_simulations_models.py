@@ -23,6 +23,7 @@ def test_names():
         ("cnn", (2, 7, 9), {"channels": [4, 4, 4]}),
         ("logreg", (60,), {}),
         ("logreg", (1, 8, 8), {}),
+        ("bn_mlp", (1, 8, 8), {"hidden": [16, 8], "cumulative": True}),
     ],
 )
 def test_output_shapes(kind, input_shape, params):
@@ -47,6 +48,8 @@ def test_output_shapes(kind, input_shape, params):
         ("cnn", (1, 7, 9), 2, {"channels": [4, 6]}, 40 + (6 * 4 * 9 + 6) + (6 * 3 * 4 * 2 + 2)),
         ("logreg", (60,), 10, {}, 610),
         ("logreg", (1, 8, 8), 10, {}, 650),
+        # the mlp's plus each batch norm's weight and bias (its running statistics are buffers)
+        ("bn_mlp", (1, 8, 8), 10, {"hidden": [16]}, 64 * 16 + 16 + 2 * 16 + 16 * 10 + 10),
     ],
 )
 def test_parameter_counts_by_hand(kind, input_shape, num_classes, params, expected):
@@ -108,7 +111,7 @@ def test_sgd_reduces_loss_on_digits(kind, params, lr):
 @pytest.mark.parametrize(
     ("kind", "kwargs", "pattern"),
     [
-        ("resnet", {}, "unknown model 'resnet'; choose one of: cnn, logreg, mlp"),
+        ("resnet", {}, "unknown model 'resnet'; choose one of: bn_mlp, cnn, logreg, mlp"),
         ("mlp", {"hidden_sizes": [3]}, "unknown parameter 'hidden_sizes' for model 'mlp'"),
         ("logreg", {"hidden": [3]}, "unknown parameter 'hidden' for model 'logreg'"),
         ("cnn", {"dropout": 0.5}, "unknown parameter 'dropout' for model 'cnn'"),
