@@ -251,3 +251,16 @@ def test_dp_clips_the_whole_delta_buffers_included(run_inprocess) -> None:
         np.testing.assert_allclose(recorder.deltas[1, pid], full * clip / np.linalg.norm(full),
                                    atol=6 * 0.001 * clip)  # six noise deviations
         assert np.abs(recorder.deltas[1, pid][~layout.mask(layout.trainable)]).max() > 1e-4
+
+
+def test_fedbn_server_keeps_its_batch_norm_under_central_noise(run_inprocess) -> None:
+    """Central DP noises every coordinate of the sum; under FedBN the server still leaves
+    the batch-norm entries (which no client averages) as built."""
+    config = _config("aggregation.local_buffers=true", "dp.mode=central", "dp.clip=1.0",
+                     "dp.noise_multiplier=1.0", "aggregation.weight_by=uniform", clients=3)
+    params, layout = build_task(config).initial_params()
+    local = layout.mask(layout.local)
+    models: list[np.ndarray] = []
+    run_inprocess(config, models=models)
+    assert np.array_equal(models[1][local], params[local])
+    assert np.abs(models[1][~local] - params[~local]).max() > 1e-2
