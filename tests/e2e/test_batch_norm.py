@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 from torch.nn import functional as F
 
-from client.app import training_seed
+from client.app import MESSAGE_REFUSED, training_seed
 from client.local_state import LOCAL_STATE
 from client.protocol.keys import MetricKey
 from client.protocol.npy import npy_array, npy_view
@@ -253,3 +253,42 @@ def test_dp_clips_the_whole_delta_buffers_included(run_inprocess) -> None:
         np.testing.assert_allclose(recorder.deltas[1, pid], full * clip / np.linalg.norm(full),
                                    atol=6 * 0.001 * clip)  # six noise deviations
         assert np.abs(recorder.deltas[1, pid][~layout.mask(layout.trainable)]).max() > 1e-4
+
+
+def test_fedbn_server_keeps_its_batch_norm_under_central_noise(run_inprocess) -> None:
+    """Central DP noises every coordinate of the sum; under FedBN the server still leaves
+    the batch-norm entries (which no client averages) as built."""
+    config = _config("aggregation.local_buffers=true", "dp.mode=central", "dp.clip=1.0",
+                     "dp.noise_multiplier=1.0", "aggregation.weight_by=uniform", clients=3)
+    params, layout = build_task(config).initial_params()
+    local = layout.mask(layout.local)
+    models: list[np.ndarray] = []
+    run_inprocess(config, models=models)
+    assert np.array_equal(models[1][local], params[local])
+    assert np.abs(models[1][~local] - params[~local]).max() > 1e-2
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("train.dp_sgd_noise_multiplier=1.0", "GroupNorm"),
+    pytest.param("train.device=cuda", "train.device = 'cuda' but CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
+])
+def test_a_client_refuses_what_it_cannot_train_naming_the_key(setting, words) -> None:
+    """A SuperNode checks too: a server elsewhere may not have run the start-up checks."""
+    from flwr.app import RecordDict
+
+    from client.app import task_spec_json
+    from client.protocol.train import train_config
+    from client.protocol.updates import model_record
+    from simulations.inprocess import InProcessGrid
+    from simulations.task import task_spec
+
+    params, layout = build_task(_config()).initial_params()
+    spec = task_spec(_config(setting))
+    grid = InProcessGrid(client_app, 1)
+    msg = grid.create_message(RecordDict({"arrays": model_record(layout, params),
+                                          "config": train_config(1, 0, task_spec_json(spec), 0)}),
+                              "train", 1, "")
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.has_error() and words in reply.error.reason
+    assert reply.error.code == MESSAGE_REFUSED  # refused before training, not a crash in it
