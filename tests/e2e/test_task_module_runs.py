@@ -15,10 +15,12 @@ from flwr.serverapp.strategy import FedAvg
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from simulations.apps import build_task, client_app
+from simulations.apps import build_task, client_app, spec_from_run_config
 from simulations.cli import run_simulation
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
+from simulations.module_task import make_task
+from simulations.silo_engine import ConcurrentGrid, silo_client_app
 from tests.simulations.fixtures import my_task
 
 FIXTURES = Path(__file__).resolve().parents[1] / "simulations" / "fixtures"
@@ -78,6 +80,15 @@ def test_fedbuff_over_a_module_task(run_inprocess, store):
     assert accuracies(store, summary["run_id"])[-1] > 0.9
 
 
+def test_local_dp_compression_and_a_robust_combine_over_a_module_task(run_inprocess, store):
+    summary = run_inprocess(module_config("dp.mode=local", "dp.clip=5.0",
+                                          "dp.noise_multiplier=0.01", "compression.kind=qsgd",
+                                          "aggregation.combine=median"))
+    assert summary["status"] == "completed" and summary["versions"] == 3
+    assert summary["protects_against"] == "server"
+    assert accuracies(store, summary["run_id"])[-1] > 0.9
+
+
 def test_the_modules_own_train_and_evaluate_are_called(run_inprocess, store):
     summary = run_inprocess(module_config("train.batch_size=50", module=LOOPS))
     assert summary["status"] == "completed"
@@ -120,6 +131,25 @@ def test_flower_engine_runs_a_module_task_like_the_inprocess_engine(db_url, stor
     pa = store.load_checkpoint(a["run_id"]).params
     pb = store.load_checkpoint(b["run_id"]).params
     np.testing.assert_allclose(pa, pb, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_cross_silo_rings_over_a_module_task(run_inprocess, store):
+    grid = ConcurrentGrid(silo_client_app(make_task, spec_from_run_config), 3)
+    summary = run_inprocess(module_config("federation.clients=3", "driver.kind=cross_silo"),
+                            grid=grid)
+    assert summary["driver"] == "cross_silo" and summary["versions"] == 3
+    assert accuracies(store, summary["run_id"])[-1] > 0.9
+
+
+def test_a_silo_refuses_a_module_train_it_cannot_run(run_inprocess, store):
+    grid = ConcurrentGrid(silo_client_app(make_task, spec_from_run_config), 3)
+    summary = run_inprocess(module_config("federation.clients=3", "federation.rounds=1",
+                                          module=LOOPS), grid=grid)
+    assert summary["status"] == "failed"
+    reasons = [u.reason for _, u in store.updates(summary["run_id"])]
+    assert len(reasons) == 3 and all("cannot run the task module's own train()" in r
+                                     for r in reasons), reasons
 
 
 # ---- a stock Flower ClientApp, written as Flower's docs write one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -9,7 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from flwr.app import ConfigRecord, Context, RecordDict
 
+from client.app import FedringClient
+from client.protocol.errors import WireError
+from client.protocol.keys import ConfigKey
 from simulations.apps import build_task, spec_from_run_config
 from simulations.config import load_scenario
 from simulations.module_task import ModuleTask, TaskModuleError, dataset_tensors, make_task
@@ -217,3 +222,12 @@ def test_scenario_tasks_have_the_same_shape():
     assert len(test) == len(task.dataset.y_test)
     assert isinstance(task.build_model(), torch.nn.Module)
     assert task.trainer is None and task.evaluator is None
+
+
+def test_a_client_that_cannot_import_the_module_refuses_the_message_naming_it():
+    spec = {**task_spec(module_config(MY_TASK)), "task": {"module": "/nowhere/my_task.py"}}
+    client = FedringClient(make_task, spec_from_run_config)
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(WireError, match=r"not a task this client can build: task.module "
+                                        r"'/nowhere/my_task.py' cannot be imported"):
+        client._worker(ConfigRecord({ConfigKey.TASK: json.dumps(spec)}), context)
