@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -41,7 +42,7 @@ from simulations.attacks import Attack
 
 REQUIRED = ("build_model", "load_partition")
 OPTIONAL = ("load_test", "train", "evaluate")
-RESERVED_METRIC_PREFIXES = ("fedring.", "num-examples")  # keys fedring's replies own
+RESERVED_METRICS = ("num-examples", "attacker")  # keys fedring's replies own
 EVAL_BATCH = 1024
 
 
@@ -151,11 +152,15 @@ def _metrics(value: object, where: str) -> dict[str, float]:
                               "dict[str, float]")
     out = {}
     for key, v in value.items():
-        number = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+        number = None
+        if isinstance(v, numbers.Real) and not isinstance(v, bool):
+            number = float(v)
+        elif torch.is_tensor(v) and v.numel() == 1 and not v.dtype.is_complex:
+            number = float(v.detach())
         if not isinstance(key, str) or number is None or not math.isfinite(number):
             raise TaskModuleError(f"{where} returned {{{key!r}: {v!r}}}: expected "
                                   "dict[str, float] of finite numbers")
-        if key.startswith(RESERVED_METRIC_PREFIXES):
+        if key in RESERVED_METRICS or key.startswith("fedring."):
             raise TaskModuleError(f"{where} returned the metric '{key}', which fedring's "
                                   "replies own: rename it")
         out[key] = number
@@ -222,14 +227,16 @@ class ModuleTask:
         if not 0 <= partition_id < num_partitions:
             raise ValueError(f"partition-id {partition_id} is out of range: the run has "
                              f"{num_partitions} clients (0..{num_partitions - 1})")
-        if partition_id not in self._datasets:
-            ds = self.module.load_partition(partition_id, num_partitions)
-            if not _is_dataset(ds):
-                raise TaskModuleError(f"{self._name('load_partition')} returned "
-                                      f"{type(ds).__name__} for partition {partition_id}, "
-                                      "expected a torch.utils.data.Dataset")
-            self._datasets[partition_id] = ds
-        return self._datasets[partition_id]
+        if partition_id in self._datasets:
+            return self._datasets[partition_id]
+        ds = self.module.load_partition(partition_id, num_partitions)
+        if not _is_dataset(ds):
+            raise TaskModuleError(f"{self._name('load_partition')} returned "
+                                  f"{type(ds).__name__} for partition {partition_id}, "
+                                  "expected a torch.utils.data.Dataset")
+        if self.trainer is not None or self.evaluator is not None:  # the loops' loaders
+            self._datasets[partition_id] = ds  # (else the client keeps the tensors)
+        return ds
 
     def load_test(self) -> Any | None:
         """The module's held-out dataset, or None without ``load_test``."""

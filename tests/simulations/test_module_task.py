@@ -202,6 +202,15 @@ def test_the_modules_own_loops_run_over_a_loader(tmp_path):
     assert task.evaluate(task.initial_params()[0])["own_eval"] == 1.0
 
 
+def test_train_metrics_may_be_numpy_or_tensor_scalars(tmp_path):
+    path = write_module(tmp_path, GOOD + "\nimport numpy as np\n"
+                                         "def train(model, loader, config):\n"
+                                         "    return {'a': np.float32(0.5), 'b': torch.tensor(2),"
+                                         " 'c': 3}\n")
+    task = build_task(module_config(path))
+    assert task.trainer(task.build_model(), 0, 1) == (6, {"a": 0.5, "b": 2.0, "c": 3.0})
+
+
 def test_a_train_returning_a_reserved_metric_is_refused(tmp_path):
     path = write_module(tmp_path, GOOD + "\ndef train(model, loader, config):\n"
                                          "    return {'num-examples': 3.0}\n")
