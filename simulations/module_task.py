@@ -203,6 +203,7 @@ class ModuleTask:
         self.evaluator = self._evaluate_with_module if own_eval is not None else None
         self._datasets: dict[int, Any] = {}
         self._test: Any = None
+        self._test_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
         self._eval_model: FlatModel | None = None
         self._initial_eval: tuple[np.ndarray, dict[str, float]] | None = None
 
@@ -302,8 +303,9 @@ class ModuleTask:
         module = self._eval_model.module
         if self.evaluator is not None:
             return self._module_evaluate(module, test)
-        x, y = dataset_tensors(test, self._name("load_test"))
-        loss, acc = evaluate(module, x, y, batch_size=EVAL_BATCH)
+        if self._test_tensors is None:  # read once, like a client's partition
+            self._test_tensors = dataset_tensors(test, self._name("load_test"))
+        loss, acc = evaluate(module, *self._test_tensors, batch_size=EVAL_BATCH)
         return {"loss": loss, "accuracy": acc}
 
     def task_spec(self) -> dict[str, Any]:
