@@ -167,7 +167,6 @@ class FedringClient:
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
         pid = self._partition_id(context)
-        x, y = self._data(worker, pid)
         record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
         base = model_views(record, model.layout)  # the global model, zero-copy
@@ -180,14 +179,21 @@ class FedringClient:
             global_params = [p.detach().clone() for p in model.module.parameters()]
         server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
         seed = training_seed(worker.task.seed, server_round, pid)
-        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
-        if worker.task.train_config.dp_sgd:
-            loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
-                                                           worker.task.train_config)
+        if worker.task.trainer is not None:  # the task's own loop (a user's task module)
+            count, trained = worker.task.trainer(model.module, pid, seed)
+            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: count, **trained})
+            if "loss" in trained:
+                metrics["train_loss"] = trained["loss"]
         else:
-            loss = train(model.module, x, y, worker.task.train_config, seed=seed,
-                         global_params=global_params)
-        metrics["train_loss"] = loss
+            x, y = self._data(worker, pid)
+            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
+            if worker.task.train_config.dp_sgd:
+                loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
+                                                               worker.task.train_config)
+            else:
+                loss = train(model.module, x, y, worker.task.train_config, seed=seed,
+                             global_params=global_params)
+            metrics["train_loss"] = loss
         model.to_host()  # the one copy back to the host (none on the CPU)
         local_state.keep(context.state, model, fedbn)
         # In-process, the delta is written straight into the buffer its reply will carry.
@@ -228,14 +234,22 @@ class FedringClient:
     def evaluate(self, msg: Message, context: Context) -> Message:
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
-        x, y = self._data(worker, self._partition_id(context))
+        pid = self._partition_id(context)
         model = worker.model
         read_model(record_of(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout,
                    out=model.flat_np)
         local_state.restore(context.state, model, _flag(config, ConfigKey.LOCAL_BUFFERS))
         model.to_device()
-        loss, acc = evaluate(model.module, x, y)
-        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x), "eval_loss": loss, "eval_acc": acc})
+        if worker.task.evaluator is not None:  # the task's own evaluation
+            count, result = worker.task.evaluator(model.module, pid)
+            names = {"loss": "eval_loss", "accuracy": "eval_acc"}
+            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: count,
+                                    **{names.get(k, f"eval_{k}"): v for k, v in result.items()}})
+        else:
+            x, y = self._data(worker, pid)
+            loss, acc = evaluate(model.module, x, y)
+            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x), "eval_loss": loss,
+                                    "eval_acc": acc})
         return Message(RecordDict({RecordName.METRICS: metrics}), reply_to=msg)
 
 

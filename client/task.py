@@ -12,6 +12,11 @@ from client.training import TrainConfig
 
 ATTACKER_METRIC = "attacker"  # reply metric: 1 when this client is a simulated attacker
 
+# A task's own loops: (module, partition id, seed) -> (examples, metrics) for training,
+# (module, partition id) -> (examples, metrics) for evaluation.
+LocalTrain = Callable[[torch.nn.Module, int, int], tuple[int, dict[str, float]]]
+LocalEvaluate = Callable[[torch.nn.Module, int], tuple[int, dict[str, float]]]
+
 
 class ClientTask(Protocol):
     """A model factory, the client's partition and its training settings."""
@@ -19,6 +24,8 @@ class ClientTask(Protocol):
     train_config: TrainConfig
     seed: int
     local_dp: tuple[float, float] | None  # (clip, noise multiplier) when the client adds noise
+    trainer: LocalTrain | None  # the task's own training loop; None: fedring's on partition()
+    evaluator: LocalEvaluate | None  # the task's own evaluation; None: fedring's
 
     def build_model(self) -> torch.nn.Module:
         """A fresh model with the task's architecture."""

@@ -28,7 +28,7 @@ class TrainConfig:
     dp_sgd_noise_multiplier: float = 0.0
     dp_sgd_max_grad_norm: float = 1.0
     dp_sgd_delta: float = 1e-5
-    device: str = "cpu"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

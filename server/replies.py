@@ -107,7 +107,11 @@ def decode_train_reply(reply: Message, *, client_id: str, layout: Layout,
     if len(array_records) != 1:
         raise WireError(f"reply has {len(array_records)} array records, expected 1 "
                         "(full weights) or a 'delta'")
-    weights = read_model(array_records[0], layout, out=np.empty(layout.dim, np.float32))
+    try:
+        weights = read_model(array_records[0], layout, out=np.empty(layout.dim, np.float32))
+    except WireError as exc:
+        raise WireError(f"full weights do not fit the server's model (it comes from [model] "
+                        f"or [task] module): {exc}") from exc
     weights -= base_params
     return Update(client_id=client_id, delta=weights, num_examples=num_examples,
                   base_version=version, metrics=extra)

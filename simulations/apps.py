@@ -12,7 +12,8 @@ from typing import Any
 from client.app import make_client_app
 from server.app import make_server_app
 from simulations.config import load_scenario
-from simulations.task import ScenarioTask, task_spec
+from simulations.module_task import make_task
+from simulations.task import task_spec
 from simulations.tracking import open_tracking
 
 RESERVED_RUN_CONFIG = ("scenario", "overrides", "resume", "db")
@@ -34,11 +35,12 @@ def spec_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     return task_spec(config_from_run_config(run_config))
 
 
-def build_task(config: Mapping[str, Any]) -> ScenarioTask:
-    task = ScenarioTask.from_config(config)
-    task.check()
+def build_task(config: Mapping[str, Any]) -> Any:
+    """The scenario's task (built-in, or the user's ``[task] module``), checked."""
+    task = make_task(task_spec(config))
+    task.check(config)
     return task
 
 
 server_app = make_server_app(build_task, config_from_run_config, observe=open_tracking)
-client_app = make_client_app(ScenarioTask, spec_from_run_config)
+client_app = make_client_app(make_task, spec_from_run_config)

@@ -75,10 +75,10 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         from simulations.inprocess import InProcessGrid
 
         if cross_silo:  # silos on threads, each joining its ring from a process of its own
+            from simulations.module_task import make_task
             from simulations.silo_engine import ConcurrentGrid, silo_client_app
-            from simulations.task import ScenarioTask
 
-            grid = ConcurrentGrid(silo_client_app(ScenarioTask, spec_from_run_config), clients)
+            grid = ConcurrentGrid(silo_client_app(make_task, spec_from_run_config), clients)
         else:
             grid = InProcessGrid(client_app, clients)
         server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
@@ -112,9 +112,10 @@ def _stored_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _attackers(config: dict[str, Any]) -> list[int] | None:
     """The partition ids of a run's simulated attackers, or None without ``[attack]``."""
-    from simulations.task import ScenarioTask
+    from simulations.attacks import Attack
 
-    attack = ScenarioTask.from_config(config).attack
+    attack = Attack.from_spec(config.get("attack"), seed=config["seed"],
+                              clients=config["federation"]["clients"])
     return None if attack is None else sorted(attack.attackers)
 
 
@@ -143,9 +144,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         privacy += f" at delta {summary['delta']:g}"
     if summary.get("epsilon_audit") is not None:
         privacy += f", epsilon_audit {summary['epsilon_audit']:.3f}"
+    central = ", ".join(f"{name} {summary[key]:.4f}" for name, key in
+                        (("accuracy", "final_accuracy"), ("loss", "final_loss"))
+                        if summary.get(key) is not None) or "no central evaluation"
     console.print(f"[bold green]{summary['status']}[/]: run {summary['run_id']}, "
-                  f"{summary['rounds']} rounds, accuracy {summary['final_accuracy']:.4f}, "
-                  f"loss {summary['final_loss']:.4f}{privacy}, {summary['wall_s']:.1f} s, "
+                  f"{summary['rounds']} rounds, {central}{privacy}, {summary['wall_s']:.1f} s, "
                   f"store {summary['store']}")
     if summary.get("stop_reason"):
         console.print(f"[yellow]{summary['stop_reason']}")

@@ -32,6 +32,7 @@ from simulations.attacks import AttackConfig, check_attack
 from simulations.datasets import dataset_names
 from simulations.engine_config import EngineConfig
 from simulations.models import model_names
+from simulations.module_task import resolve_module_ref
 from simulations.partitioners import partitioner_names
 from simulations.tracking import TrackingConfig
 
@@ -58,7 +59,16 @@ class DataConfig:
             raise ValueError(f"data.test_fraction must be in (0, 1), got {self.test_fraction}")
 
 
+@dataclass(frozen=True)
+class TaskConfig:
+    """``[task]``: the user's own model and data, a module giving ``build_model`` and
+    ``load_partition`` (``simulations.module_task``); empty: ``[data]`` and ``[model]``."""
+
+    module: str = ""
+
+
 SECTIONS: dict[str, type] = {
+    "task": TaskConfig,
     "data": DataConfig,
     "train": TrainConfig,
     "federation": FederationConfig,
@@ -138,21 +148,50 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     if misplaced:
         raise ValueError(f"aggregation.{misplaced[0]} is set in [driver]: use "
                          f"driver.{misplaced[0]} (the staleness keys live in [driver])")
+    module = _task_module(raw)
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})
         if not isinstance(values, Mapping):
             raise ValueError(f"[{section}] must be a table")
+        if section == "data" and module:
+            continue  # the task module gives the data
         config[section] = dataclasses.asdict(from_section(cls, section, values))
-    model = dict(raw.get("model", {}))
-    kind = model.setdefault("kind", "mlp")
-    check_choice("model.kind", kind, model_names())
-    config["model"] = model
+    config["task"]["module"] = module
+    if not module:
+        model = dict(raw.get("model", {}))
+        kind = model.setdefault("kind", "mlp")
+        check_choice("model.kind", kind, model_names())
+        config["model"] = model
     fed = FederationConfig(**config["federation"])
     AggregationConfig(**config["aggregation"]).check_clients(fed.max_per_round())
     config["dp"] = DPConfig.from_dict(raw.get("dp", {})).to_dict()
     check_rules(config, raw.get("secagg", {}))  # may resolve [secagg] bits for QSGD
     check_attack(config)
     return config
+
+
+def _task_module(raw: Mapping[str, Any], base: Path | None = None) -> str:
+    """``task.module`` with a ``.py`` path made absolute (against ``base``, default the
+    working directory); refuses ``[data]`` or ``[model]`` beside it."""
+    task = raw.get("task") or {}
+    module = task.get("module", "") if isinstance(task, Mapping) else ""
+    if not isinstance(module, str):
+        raise ValueError(f"task.module must be a string (an import name or a path to a .py "
+                         f"file), got {module!r}")
+    if not module:
+        return ""
+    given = [section for section in ("data", "model") if section in raw]
+    if given:
+        keys = [f"{section}.{key}" for section in given for key in raw[section] or {}]
+        raise ValueError(f"task.module '{module}' gives the model and the data, so "
+                         f"[{'] and ['.join(given)}] do not apply: remove "
+                         f"{', '.join(keys) or 'them'} (or unset task.module for the "
+                         "built-in data and models)")
+    attack = raw.get("attack") or {}
+    if attack.get("kind") == "label_flip" and attack.get("fraction", 0):
+        raise ValueError("attack.kind 'label_flip' needs the classes of a built-in dataset; "
+                         "with task.module use sign_flip, scale or gaussian_noise")
+    return resolve_module_ref(module, base or Path.cwd())
 
 
 def load_scenario(name_or_path: str = "default", overrides: Iterable[str] = (), *,
@@ -163,7 +202,14 @@ def load_scenario(name_or_path: str = "default", overrides: Iterable[str] = (), 
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"scenario '{path}' is not valid TOML: {exc}") from exc
-    apply_overrides(raw, dict(parse_override(o) for o in overrides))
+    parsed = dict(parse_override(o) for o in overrides)
+    if parsed.get("task.module") or (values or {}).get("task.module"):
+        # the user's module replaces the file's data and model (and the file's module)
+        for section in ("data", "model"):
+            raw.pop(section, None)
+    elif isinstance(raw.get("task"), dict) and raw["task"].get("module"):
+        raw["task"]["module"] = _task_module(raw, path.parent.resolve())  # the file's folder
+    apply_overrides(raw, parsed)
     apply_overrides(raw, dict(values or {}))
     raw.setdefault("name", path.stem)
     return validate(raw)

@@ -10,11 +10,11 @@ import sys
 
 from client.silo.job import run_silo
 from simulations.apps import spec_from_run_config
-from simulations.task import ScenarioTask
+from simulations.module_task import make_task
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_silo(argv, ScenarioTask, spec_from_run_config)
+    return run_silo(argv, make_task, spec_from_run_config)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import TensorDataset
 
 from aggregation import Layout
 from client.flat_model import FlatModel
@@ -29,10 +30,16 @@ OPTIONAL_SPEC_KEYS = ("dp", "attack")
 
 
 def task_spec(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a resolved scenario that clients need to rebuild the task."""
+    """The part of a resolved scenario that clients need to rebuild the task: the built-in
+    ``[data]`` and ``[model]``, or the user's ``[task] module`` (``module_task.make_task``
+    builds either)."""
     spec = {"seed": config["seed"], "clients": config["federation"]["clients"],
-            "data": config["data"], "model": config["model"], "train": config["train"],
-            "dp": config.get("dp", {})}
+            "train": config["train"], "dp": config.get("dp", {})}
+    module = (config.get("task") or {}).get("module")
+    if module:
+        spec["task"] = {"module": module}
+    else:
+        spec.update(data=config["data"], model=config["model"])
     if AttackConfig(**config.get("attack", {})).enabled:
         spec["attack"] = config["attack"]
     return spec
@@ -55,7 +62,14 @@ def _partitions(data_json: str, seed: int, clients: int) -> tuple[np.ndarray, ..
 
 
 class ScenarioTask:
-    """A scenario's task, built from :func:`task_spec` (a JSON-able dict)."""
+    """A built-in scenario's task, built from :func:`task_spec` (a JSON-able dict).
+
+    It has the shape of a user's task module (``build_model``, ``load_partition``,
+    ``load_test``; see ``simulations.module_task``) and trains with fedring's own loops.
+    """
+
+    trainer = None  # fedring's training loop on partition(); no task-specific one
+    evaluator = None
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         missing = [k for k in SPEC_KEYS if k not in spec]
@@ -103,6 +117,17 @@ class ScenarioTask:
             y = self.attack.labels(partition_id, y, ds.num_classes)
         return x, y
 
+    def load_partition(self, partition_id: int, num_partitions: int) -> TensorDataset:
+        """Client ``partition_id``'s training data, as a task module gives it."""
+        if num_partitions != self.clients:
+            raise ValueError(f"the scenario has {self.clients} partitions, not {num_partitions}")
+        return TensorDataset(*self.partition(partition_id))
+
+    def load_test(self) -> TensorDataset:
+        """The held-out data central evaluation uses."""
+        ds = self.dataset
+        return TensorDataset(torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
+
     def tamper(self, partition_id: int, delta: np.ndarray, seed: int) -> bool:
         """Poison a simulated attacker's delta in place (``[attack]``); True for attackers."""
         return self.attack is not None and self.attack.tamper(partition_id, delta, seed)
@@ -123,7 +148,7 @@ class ScenarioTask:
     def task_spec(self) -> dict[str, Any]:
         return dict(self.spec)
 
-    def check(self) -> None:
+    def check(self, config: Mapping[str, Any] | None = None) -> None:
         """Fail at start if the data cannot be loaded or split, the model not built, or
         local training cannot train it (DP-SGD with batch norm)."""
         self.partitions()

@@ -35,10 +35,11 @@ def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
     names = {name for name in record
              if name in layout.names or not _integer(record[name].dtype)}
     if names != set(layout.names):
-        missing = sorted(set(layout.names) - names)
-        extra = sorted(names - set(layout.names))
-        raise WireError(f"model tensors do not match the layout (missing {missing}, "
-                        f"unexpected {extra})")
+        expected = set(layout.names)
+        missing = [n for n in layout.names if n not in names]
+        extra = [n for n in record if n not in expected]
+        raise WireError(f"model tensors do not match the model's: missing {_listed(missing)}; "
+                        f"unexpected {_listed(extra)}")
     arrays = {name: npy_view(record[name]) for name in layout.names}
     for name, a in arrays.items():
         if a.dtype.kind != "f":  # a floating type
@@ -51,6 +52,12 @@ def _integer(dtype: str) -> bool:
         return np.dtype(dtype).kind in "iub"
     except TypeError:
         return False
+
+
+def _listed(names: list[str], limit: int = 12) -> str:
+    """Tensor names for a message: the first ``limit``, then how many more."""
+    shown = ", ".join(repr(n)[1:-1][:80] for n in names[:limit]) or "none"
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def flatten_model(views: Mapping[str, np.ndarray], layout: Layout,

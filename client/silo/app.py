@@ -152,6 +152,9 @@ class SiloClient(FedringClient):
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         key = self._task_key(config, context)
         worker = self.workers.get(key, context.node_id)
+        if getattr(worker.task, "trainer", None) is not None:
+            raise WireError("a silo trains with fedring's data-parallel loop, which cannot run "
+                            "the task module's own train(): remove train() from the module")
         pid = self._partition_id(context)
         x, y = worker.partition(pid)
         model, cfg = worker.model, worker.task.train_config

@@ -120,6 +120,18 @@ def test_three_rounds_with_secure_aggregation(fed: dict[str, Any]) -> None:
     assert all(s["num_survivors"] == NODES for s in secure)
 
 
+def test_supernodes_import_the_task_module_the_server_names(fed: dict[str, Any]) -> None:
+    """``[task] module`` as an absolute path: every SuperNode imports the same file."""
+    module = ROOT / "tests" / "simulations" / "fixtures" / "my_task.py"
+    db = f"sqlite:///{fed['tmp'] / 'task.db'}"
+    _finish(_flwr_run(fed, db, f"federation.clients={NODES} federation.rounds=2 {FAST} "
+                               f"train.lr=0.1 task.module={module}"))
+    run, rounds = _only_run(db)
+    assert run.status == "completed" and run.config["task"]["module"] == str(module)
+    assert all(r.num_accepted == NODES for r in rounds[1:])
+    assert rounds[-1].metrics["accuracy"] > 0.9 > rounds[0].metrics["accuracy"]
+
+
 def test_supernode_without_registered_key_is_refused(fed: dict[str, Any]) -> None:
     state, rogue_dir = fed["state"], fed["tmp"] / "rogue"
     key, _ = write_auth_key(rogue_dir, "rogue.auth")

@@ -89,9 +89,9 @@ CASES: list[tuple[str, Callable[[], Message], str]] = [
          np.zeros(3, np.float32))}))), f"tensor '{FIRST}' has shape (3,), layout expects"),
     ("unknown tensor",
      lambda: message(arrays=model_with(lambda a: a.update(extra=npy_array(
-         np.zeros(2, np.float32))))), "unexpected ['extra']"),
+         np.zeros(2, np.float32))))), "missing none; unexpected extra"),
     ("missing tensor", lambda: message(arrays=model_with(lambda a: a.pop(FIRST))),
-     f"missing ['{FIRST}']"),
+     f"missing {FIRST}; unexpected none"),
     ("integer tensor",
      lambda: message(arrays=model_with(lambda a: a.update({FIRST: npy_array(
          np.zeros(npy_view(a[FIRST]).shape, np.int32))}))), "expected a float type"),

@@ -219,7 +219,7 @@ CASES: list[tuple[str, Callable[[Sent], Message], str]] = [
      "has shape (3,), layout expects"),
     ("weights with an unknown tensor",
      lambda s: _wrong_model(s, lambda m: m.update(extra=np.zeros(2, np.float32))),
-     "unexpected ['extra']"),
+     "missing none; unexpected extra"),
     ("weights of an integer dtype",
      lambda s: _wrong_model(s, lambda m: m.update({_first_tensor(m):
                                                    m[_first_tensor(m)].astype(np.int64)})),
