@@ -37,7 +37,7 @@ def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
     if names != set(layout.names):
         expected = set(layout.names)
         missing = [n for n in layout.names if n not in names]
-        extra = [n for n in record if n not in expected]
+        extra = [n for n in record if n in names and n not in expected]
         raise WireError(f"model tensors do not match the model's: missing {_listed(missing)}; "
                         f"unexpected {_listed(extra)}")
     arrays = {name: npy_view(record[name]) for name in layout.names}
