@@ -41,7 +41,8 @@ def from_section(cls: type, section: str, values: Mapping[str, Any]) -> Any:
             value = float(value)
         if (expected is not None and not isinstance(value, expected)) or (
                 expected is int and isinstance(value, bool)):
-            raise ValueError(f"{section}.{key} must be {expected.__name__}, got "
+            wanted = "true or false" if expected is bool else expected.__name__
+            raise ValueError(f"{section}.{key} must be {wanted}, got "
                              f"{type(value).__name__} {value!r}")
         kwargs[key] = value
     try:

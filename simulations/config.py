@@ -117,6 +117,17 @@ def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
         node[last] = value
 
 
+def drop_other_kinds_params(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """An override that switches ``model.kind`` drops the scenario's parameters of the old
+    kind (e.g. ``hidden`` of an MLP), keeping only those the overrides set too."""
+    model = raw.get("model")
+    new_kind = overrides.get("model.kind")
+    if not isinstance(model, dict) or new_kind is None or new_kind == model.get("kind", "mlp"):
+        return
+    raw["model"] = {k: v for k, v in model.items()
+                    if k == "kind" or f"model.{k}" in overrides}
+
+
 def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved configuration: every section with its defaults, or a clear error."""
     unknown = sorted(k for k in raw if k not in SECTIONS and k not in FREE_SECTIONS
@@ -159,7 +170,8 @@ def load_scenario(name_or_path: str = "default", overrides: Iterable[str] = (), 
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"scenario '{path}' is not valid TOML: {exc}") from exc
-    apply_overrides(raw, dict(parse_override(o) for o in overrides))
-    apply_overrides(raw, dict(values or {}))
+    given = {**dict(parse_override(o) for o in overrides), **dict(values or {})}
+    drop_other_kinds_params(raw, given)
+    apply_overrides(raw, given)
     raw.setdefault("name", path.stem)
     return validate(raw)
