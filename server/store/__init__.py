@@ -19,7 +19,7 @@ upgrades an existing database.
 """
 
 from .engine import mask_url
-from .errors import CorruptCheckpoint, StoreError, UnknownRun
+from .errors import CorruptCheckpoint, StoreError, StoreUnavailable, UnknownRun
 from .records import (
     FATES,
     ROUND_STATUSES,
@@ -42,6 +42,7 @@ __all__ = [
     "RunInfo",
     "Store",
     "StoreError",
+    "StoreUnavailable",
     "UnknownRun",
     "UpdateRecord",
     "mask_url",

@@ -35,7 +35,11 @@ def cmd_certs(args: Any) -> int:
     from simulations.certs import write_all
 
     hosts = [h for h in args.hosts.split(",") if h]
-    m = write_all(Path(args.out), nodes=args.nodes, hosts=hosts)
+    try:
+        m = write_all(Path(args.out), nodes=args.nodes, hosts=hosts)
+    except OSError as exc:
+        raise ValueError(f"cannot write the certificates to {args.out}: {exc.strerror} "
+                         f"({exc.filename}); give --out a directory you can write") from None
     print(f"CA {m.ca}\nSuperLink {m.server_cert} {m.server_key} (for {', '.join(hosts)})")
     for (cert, key), (auth, pub) in zip(m.node_certs, m.auth_keys, strict=True):
         print(f"SuperNode {cert} {key}; auth key {auth} (register {pub})")

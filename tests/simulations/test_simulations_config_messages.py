@@ -27,12 +27,13 @@ def test_the_same_kind_keeps_the_scenario_parameters():
 
 
 def test_a_boolean_key_says_true_or_false():
-    with pytest.raises(ValueError, match="secagg.enabled must be true or false, got str 'yes'"):
+    with pytest.raises(ValueError, match=r"secagg\.enabled must be true or false, got str 'yes'"):
         load_scenario("default", ["secagg.enabled=yes"])
 
 
 def test_natural_partition_names_real_keys():
-    with pytest.raises(ValueError, match="set federation.clients = 30 .*data.options.num_users"):
+    with pytest.raises(ValueError,
+                       match=r"set federation\.clients = 30 .*data\.options\.num_users"):
         ScenarioTask.from_config(load_scenario(
             "default", ["data.dataset=synthetic", "data.partitioner=natural",
                         "data.options={num_users = 30}"])).check()
