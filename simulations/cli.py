@@ -127,9 +127,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         privacy += f" at delta {summary['delta']:g}"
     if summary.get("epsilon_audit") is not None:
         privacy += f", epsilon_audit {summary['epsilon_audit']:.3f}"
+    took = f"{summary['wall_s']:.1f} s"
+    if "resumed_after_round" in summary:
+        took += f" since resuming ({summary['wall_s_total']:.1f} s for the whole run)"
     console.print(f"[bold green]{summary['status']}[/]: run {summary['run_id']}, "
                   f"{summary['rounds']} rounds, accuracy {summary['final_accuracy']:.4f}, "
-                  f"loss {summary['final_loss']:.4f}{privacy}, {summary['wall_s']:.1f} s, "
+                  f"loss {summary['final_loss']:.4f}{privacy}, {took}, "
                   f"store {summary['store']}")
     if summary.get("stop_reason"):
         console.print(f"[yellow]{summary['stop_reason']}")

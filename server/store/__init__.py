@@ -18,7 +18,7 @@ writer) and ``repository`` (``Store``: queries and writes, re-recording). ``migr
 upgrades an existing database.
 """
 
-from .engine import mask_url
+from .engine import absolute_url, mask_url
 from .errors import CorruptCheckpoint, StoreError, StoreUnavailable, UnknownRun
 from .records import (
     FATES,
@@ -45,6 +45,7 @@ __all__ = [
     "StoreUnavailable",
     "UnknownRun",
     "UpdateRecord",
+    "absolute_url",
     "mask_url",
     "pack_state",
     "unpack_state",

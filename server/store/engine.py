@@ -47,6 +47,16 @@ def parse_url(url: str) -> URL:
     return parsed
 
 
+def absolute_url(url: str) -> str:
+    """``url`` with a relative SQLite file made absolute against the working directory, so
+    that a message can say where the store is."""
+    parsed = parse_url(url)
+    path = _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+    if path is None or path.is_absolute():
+        return url
+    return parsed.set(database=str(path.resolve())).render_as_string(hide_password=False)
+
+
 def mask_url(url: str) -> str:
     """``url`` with its password replaced by ``***``, for logs and messages."""
     return parse_url(url).render_as_string(hide_password=True)
