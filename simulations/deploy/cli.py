@@ -26,8 +26,13 @@ def cmd_up(args: Any) -> int:
 
 
 def cmd_down(args: Any) -> int:
-    stopped = down(Path(args.dir))
-    print(f"stopped {len(stopped)} process(es)" + (f": {stopped}" if stopped else ""))
+    try:
+        stopped = down(Path(args.dir) if args.dir else None)
+    except DeployError as exc:
+        print(f"fedring: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"stopped {len(stopped)} process(es)" + (f": {stopped}" if stopped else
+                                                   " (nothing was running)"))
     return 0
 
 
@@ -70,7 +75,8 @@ def add_parsers(sub: Any) -> None:
     upp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start")
     upp.set_defaults(func=cmd_up)
     dwn = dep_sub.add_parser("down", help="stop the processes `deploy up` started")
-    dwn.add_argument("--dir", default=str(STATE_DIR))
+    dwn.add_argument("--dir", help="the --dir given to `up` (default: where `up` recorded "
+                                   f"it in Flower's home, else {STATE_DIR})")
     dwn.set_defaults(func=cmd_down)
 
     crt = sub.add_parser("certs", help="development CA, TLS certificates, SuperNode auth keys")
