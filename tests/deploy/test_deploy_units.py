@@ -110,7 +110,9 @@ def test_commands_stand_for_flower_commands(tmp_path: Path) -> None:
     exe = deploy.executor_command(10, 1234, opts, tmp_path)
     args = executor_parser().parse_args(exe[3:])
     assert args.parent_pid == 1234 and args.root_certificates == str(tmp_path / "ca.pem")
-    assert "federation.clients=3" in deploy.run_command("fed", "sqlite:///x.db", 3)
+    command = deploy.run_command("fed", "sqlite:///x.db", 3)
+    assert "federation.clients=3 federation.min_clients=2" in command  # survives one loss
+    assert f'db="sqlite:///{Path.cwd()}/x.db"' in command  # not the SuperLink's directory
 
 
 def _sleeper() -> subprocess.Popen:
