@@ -107,7 +107,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from simulations.progress import RichReporter
 
     config = _stored_config(args) if args.resume else _resolve(args)
-    Store(args.db).close()  # a bad or unreachable --db fails here, before any progress shows
+    from simulations.apps import build_task
+
+    build_task(config)  # bad data or model settings fail here, before any progress shows
+    Store(args.db).close()  # and so does a bad or unreachable --db
     console = Console(stderr=True)
     with RichReporter(config["federation"]["rounds"], console=console) as reporter:
         summary = run_simulation(config, engine=args.engine, db=args.db, reporter=reporter,

@@ -77,7 +77,7 @@ def partition(
     min_size = int(min_size)
     if num_clients > n or min_size * num_clients > n:
         need = (f"{num_clients} clients with at least {min_size} samples each need "
-                f"{min_size * num_clients} samples" if min_size * num_clients > n
+                f"{min_size * num_clients} samples" if min_size > 1
                 else f"{num_clients} clients need at least one sample each")
         most = min(n, n // max(min_size, 1))
         if kind == "dirichlet":

@@ -86,3 +86,27 @@ def test_a_relative_db_is_made_absolute(tmp_path, capsys, monkeypatch):
                           "overrides": FAST}, capsys)
     assert f"store sqlite:///{tmp_path}/sub/runs.db" in lines[-1]
     assert (tmp_path / "sub" / "runs.db").exists()
+
+
+def test_round_lines_name_an_aborted_secure_round_and_epsilon():
+    from server.reporter import round_line
+
+    line = round_line(4, 10, {"accuracy": 0.5, "loss": 1.25, "accepted": 0.0, "rejected": 0.0,
+                              "dropped": 2.0, "epsilon": 1.5, "secure_survivors": 2.0,
+                              "secure_aborted": 1.0})
+    assert line == ("round 4/10: accuracy 0.5000, loss 1.2500, 0 accepted, 0 rejected, "
+                    "2 dropped, epsilon 1.5, secure round aborted")
+
+
+def test_the_progress_line_shows_epsilon_after_every_round():
+    import io
+
+    from rich.console import Console
+
+    from simulations.progress import RichReporter
+
+    out = io.StringIO()
+    with RichReporter(2, console=Console(file=out, width=120)) as reporter:
+        reporter.round_finished(1, {"loss": 0.5, "accuracy": 0.75, "epsilon": 0.8125})
+        shown = reporter.progress.tasks[0].fields["info"]
+    assert "acc 0.7500" in shown and "eps 0.812" in shown
