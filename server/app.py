@@ -6,6 +6,8 @@ module knows nothing about datasets; ``simulations.apps`` binds the concrete one
 
 from __future__ import annotations
 
+import sys
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +26,7 @@ from server.rules import check_rules
 from server.run_loop import RunLoop
 from server.scenario import ServerScenario
 from server.secure_round import SecureSettings, SecureSum, make_secure_settings
-from server.store import Store, absolute_url
+from server.store import Store, absolute_url, mask_url
 from server.sync_rounds import PlainReplies, SyncRounds
 from server.task import ServerTask
 
@@ -120,8 +122,17 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
             shown.message(f"fedring: {len(list(grid.get_node_ids()))} node(s) connected, "
                           f"federation.clients = {cfg['federation']['clients']}, store {url}")
         warn_on_node_count(grid, cfg, shown)
-        summary = run_server(grid, cfg, task=task, store_url=url, resume=resume_id,
-                             reporter=shown, clock=clock(cfg) if clock else None)
+        try:
+            summary = run_server(grid, cfg, task=task, store_url=url, resume=resume_id,
+                                 reporter=shown, clock=clock(cfg) if clock else None)
+        except Exception as exc:
+            if config is not None:
+                raise
+            # Under flwr run the status is the stream's last line (Flower exits 0 anyway).
+            traceback.print_exc(file=sys.stdout)
+            shown.message(f"fedring run failed: {type(exc).__name__}: {exc} (stored as "
+                          f"failed in {mask_url(url)})")
+            return
         if on_summary is not None:
             on_summary(summary)
 

@@ -88,7 +88,7 @@ def _stored_config(args: argparse.Namespace) -> dict[str, Any]:
     if changed:
         raise ValueError(f"--resume continues a run with its stored configuration; drop "
                          f"{', '.join(changed)}")
-    with Store(args.db) as store:
+    with Store(args.db, create=False) as store:
         return store.get_run(args.resume).config
 
 

@@ -110,3 +110,32 @@ def test_the_progress_line_shows_epsilon_after_every_round():
         reporter.round_finished(1, {"loss": 0.5, "accuracy": 0.75, "epsilon": 0.8125})
         shown = reporter.progress.tasks[0].fields["info"]
     assert "acc 0.7500" in shown and "eps 0.812" in shown
+
+
+def test_a_run_that_crashes_ends_the_stream_with_its_status(tmp_path, capsys):
+    class Crashing:
+        """The scenario's task, whose evaluation breaks after the initial model's."""
+
+        def __init__(self, config):
+            self.task, self.calls = build_task(config), 0
+
+        def __getattr__(self, name):
+            return getattr(self.task, name)
+
+        def evaluate(self, params):
+            self.calls += 1
+            if self.calls > 1:
+                raise RuntimeError("evaluation broke")
+            return self.task.evaluate(params)
+
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    app = make_server_app(Crashing, config_from_run_config)
+    grid = InProcessGrid(client_app, 2)
+    app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={"db": db, "overrides": FAST}))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == (f"fedring run failed: RuntimeError: evaluation broke (stored as failed "
+                       f"in {db})")
+    assert any(line.startswith("Traceback") for line in out)
+    with Store(db) as store:
+        assert store.list_runs()[0].status == "failed"
