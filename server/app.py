@@ -6,6 +6,8 @@ module knows nothing about datasets; ``simulations.apps`` binds the concrete one
 
 from __future__ import annotations
 
+import sys
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,19 +17,21 @@ from flwr.serverapp import Grid, ServerApp
 from server.audit import make_audit
 from server.clock import Clock
 from server.compression import ReplyCompression
+from server.config import FederationConfig
 from server.dp import dp_controller
 from server.fedbuff import FedBuffRounds
 from server.reporter import LogReporter, Reporter, Reporters
-from server.rounds import RoundSource, RunContext
+from server.rounds import RoundSource, RunContext, wait_for_nodes
 from server.rules import check_rules
 from server.run_loop import RunLoop
 from server.scenario import ServerScenario
 from server.secure_round import SecureSettings, SecureSum, make_secure_settings
-from server.store import Store
+from server.store import Store, absolute_url, mask_url
 from server.sync_rounds import PlainReplies, SyncRounds
 from server.task import ServerTask
 
 DEFAULT_DB = "sqlite:///runs/fedring.db"
+NODES_KEY = "connected-nodes"  # what the ServerApp adds to the run config it resolves
 
 ConfigResolver = Callable[[Mapping[str, Any]], dict[str, Any]]
 TaskBuilder = Callable[[dict[str, Any]], ServerTask]
@@ -94,35 +98,78 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
     """A Flower ServerApp for a fixed ``config``, or one resolved from the run config.
 
     Under ``flwr run`` the run config gives ``scenario`` (a name or TOML path), ``db``
-    (a SQLAlchemy URL), ``overrides`` and ``resume`` (a run id to continue). ``clock``
-    builds a simulated clock from the resolved config (simulations); without it the wall
-    clock is used.
+    (a SQLAlchemy URL), ``overrides`` and ``resume`` (a run id to continue); unless the run
+    config sets ``federation.clients``, it is the number of connected nodes (passed to
+    ``resolve_config`` as ``NODES_KEY``). A bad run config prints its message and no
+    traceback. ``clock`` builds a simulated clock from the resolved config (simulations);
+    without it the wall clock is used.
     """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_config = dict(context.run_config)
-        url = store_url or str(run_config.get("db", DEFAULT_DB))
-        resume_id = resume or str(run_config.get("resume", "")) or None
-        if config is not None:
-            cfg = config
-        elif resume_id:  # a resumed run keeps the configuration it was started with
-            with Store(url) as store:
-                cfg = store.get_run(resume_id).config
-        else:
-            cfg = resolve_config(run_config)
-        observer = observe(cfg, url) if observe is not None else None
         shown = reporter or LogReporter()
+        if config is not None:  # resolved, checked and reported by the caller
+            cfg, url, resume_id = config, store_url or DEFAULT_DB, resume
+            task = build_task(cfg)
+        else:
+            try:
+                cfg, url, resume_id = _from_run_config(grid, dict(context.run_config),
+                                                       resolve_config, store_url, resume)
+                task = build_task(cfg)
+                Store(url).close()  # an unusable store fails here, in one line
+            except (ValueError, LookupError, RuntimeError) as exc:
+                shown.message(f"fedring: error: {exc}")
+                shown.message("fedring run not started: fix the run config and submit it "
+                              "again")
+                return
+            shown.message(f"fedring: {len(list(grid.get_node_ids()))} node(s) connected, "
+                          f"federation.clients = {cfg['federation']['clients']}, store {url}")
+        warn_on_node_count(grid, cfg, shown)
+        observer = observe(cfg, url) if observe is not None else None
         try:
-            summary = run_server(grid, cfg, task=build_task(cfg), store_url=url,
-                                 resume=resume_id, clock=clock(cfg) if clock else None,
-                                 reporter=Reporters(shown, observer) if observer else shown)
-        except BaseException:
+            summary = run_server(grid, cfg, task=task, store_url=url, resume=resume_id,
+                                 reporter=Reporters(shown, observer) if observer else shown,
+                                 clock=clock(cfg) if clock else None)
+        except Exception as exc:
             if observer is not None:
                 observer.run_finished({"status": "failed"})
-            raise
+            if config is not None:
+                raise
+            # Under flwr run the status is the stream's last line (Flower exits 0 anyway).
+            traceback.print_exc(file=sys.stdout)
+            shown.message(f"fedring run failed: {type(exc).__name__}: {exc} (stored as "
+                          f"failed in {mask_url(url)})")
+            return
         if on_summary is not None:
             on_summary(summary)
 
     return app
+
+
+def _from_run_config(grid: Grid, run_config: dict[str, Any], resolve_config: ConfigResolver,
+                     store_url: str | None,
+                     resume: str | None) -> tuple[dict[str, Any], str, str | None]:
+    """The resolved config, the store's absolute URL and the run to resume, from a run
+    config; ``federation.clients`` is the number of connected nodes unless it is set."""
+    url = absolute_url(store_url or str(run_config.get("db") or DEFAULT_DB))
+    resume_id = resume or str(run_config.get("resume", "")) or None
+    if resume_id:  # a resumed run keeps the configuration it was started with
+        with Store(url, create=False) as store:
+            return store.get_run(resume_id).config, url, resume_id
+    first = resolve_config(run_config)
+    nodes = wait_for_nodes(grid, FederationConfig(**first["federation"]))
+    return resolve_config({**run_config, NODES_KEY: len(nodes)}), url, None
+
+
+def warn_on_node_count(grid: Grid, config: dict[str, Any], reporter: Reporter) -> None:
+    """Say loudly when ``federation.clients`` differs from the number of connected nodes:
+    partitions without a node never train, nodes without a partition fail."""
+    nodes, clients = len(list(grid.get_node_ids())), config["federation"]["clients"]
+    if nodes == clients or nodes == 0:
+        return
+    effect = (f"only {nodes} of the {clients} partitions will train" if nodes < clients
+              else f"nodes with partition-id >= {clients} have no partition")
+    reporter.message(f"WARNING: federation.clients is {clients} but {nodes} nodes are "
+                     f"connected: {effect}; leave federation.clients unset under flwr run "
+                     f"to use the nodes' count, or start {clients} nodes")

@@ -41,7 +41,8 @@ def from_section(cls: type, section: str, values: Mapping[str, Any]) -> Any:
             value = float(value)
         if (expected is not None and not isinstance(value, expected)) or (
                 expected is int and isinstance(value, bool)):
-            raise ValueError(f"{section}.{key} must be {expected.__name__}, got "
+            wanted = "true or false" if expected is bool else expected.__name__
+            raise ValueError(f"{section}.{key} must be {wanted}, got "
                              f"{type(value).__name__} {value!r}")
         kwargs[key] = value
     try:
@@ -108,6 +109,7 @@ class FederationConfig:
     poll_s: float = 0.05
     checkpoint_every: int = 1
     sampling: str = "fixed"
+    max_failed_rounds: int = 3
 
     def __post_init__(self) -> None:
         if self.clients < 1:
@@ -126,6 +128,9 @@ class FederationConfig:
             raise ValueError("federation.round_timeout_s and poll_s must be > 0")
         if self.checkpoint_every < 0:
             raise ValueError("federation.checkpoint_every must be >= 0 (0 disables)")
+        if self.max_failed_rounds < 0:
+            raise ValueError(f"federation.max_failed_rounds must be >= 0 (0: never stop for "
+                             f"rounds that apply nothing), got {self.max_failed_rounds}")
         if self.sampling not in ("fixed", "poisson"):
             raise ValueError(f"federation.sampling must be 'fixed' (a fixed number of clients "
                              f"per round) or 'poisson' (each client independently with "

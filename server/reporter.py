@@ -1,4 +1,4 @@
-"""Progress hooks a round driver calls; the CLI shows them live, the default logs them."""
+"""Progress hooks a round driver calls; the CLI shows them live, the default prints them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 log = logging.getLogger("fedring")
+log.addHandler(logging.NullHandler())  # printed by LogReporter; logged for who configures it
 
 
 class Reporter:
@@ -24,22 +25,59 @@ class Reporter:
     def run_finished(self, summary: dict[str, Any]) -> None: ...
 
 
+def round_line(rnd: int, rounds: int | None, metrics: dict[str, float]) -> str:
+    """One line on a finished round: accuracy, loss, the updates' fates, epsilon where DP
+    is on, and a secure round's outcome (``secure_survivors``, ``secure_aborted``)."""
+    parts = [f"{key} {metrics[key]:.4f}" for key in ("accuracy", "loss") if key in metrics]
+    parts.append(", ".join(f"{int(metrics.get(fate, 0))} {fate}"
+                           for fate in ("accepted", "rejected", "dropped")))
+    for key in ("epsilon", "epsilon_model"):
+        if key in metrics:
+            parts.append(f"{key} {metrics[key]:.4g}")
+    if metrics.get("secure_aborted"):
+        parts.append("secure round aborted")
+    elif "secure_survivors" in metrics:
+        parts.append(f"secure sum of {int(metrics['secure_survivors'])} survivors")
+    of = f"/{rounds}" if rounds else ""
+    return f"round {rnd}{of}: " + ", ".join(parts)
+
+
+def status_line(summary: dict[str, Any]) -> str:
+    """The run's final status, one line (the last one under ``flwr run``)."""
+    line = (f"fedring run {summary.get('run_id')}: {summary.get('status')} after "
+            f"{summary.get('rounds')} rounds")
+    if summary.get("final_accuracy") is not None:
+        line += f", accuracy {summary['final_accuracy']:.4f}"
+    if summary.get("epsilon") is not None:
+        line += f", epsilon {summary['epsilon']:.4g}"
+    line += f", store {summary.get('store')}"
+    return line + (f"; {summary['stop_reason']}" if summary.get("stop_reason") else "")
+
+
 class LogReporter(Reporter):
-    """Reports through the ``fedring`` logger (used under ``flwr run``)."""
+    """Prints one line per round and the final status to stdout, which Flower streams
+    (``flwr run . --stream``) and the ``fedring`` logger records."""
+
+    def __init__(self) -> None:
+        self._rounds: int | None = None
+
+    @staticmethod
+    def _print(text: str, level: int = logging.INFO) -> None:
+        print(text, flush=True)
+        log.log(level, "%s", text)
 
     def run_started(self, run_id: str, config: dict[str, Any]) -> None:
-        log.info("run %s started", run_id)
+        self._rounds = config.get("federation", {}).get("rounds")
+        self._print(f"fedring run {run_id} started")
 
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
-        shown = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items())
-                          if isinstance(v, float))
-        log.info("round %d: %s", rnd, shown)
+        self._print(round_line(rnd, self._rounds, metrics))
 
     def message(self, text: str) -> None:
-        log.warning("%s", text)
+        self._print(text, logging.WARNING)
 
     def run_finished(self, summary: dict[str, Any]) -> None:
-        log.info("run finished: %s", summary)
+        self._print(status_line(summary))
 
 
 class Reporters(Reporter):

@@ -90,18 +90,23 @@ class RunContext:
 
     def wait_for_nodes(self) -> list[int]:
         """Connected node ids once at least ``min_clients`` are there (else a clear error)."""
-        fed = self.fed
-        deadline = time.monotonic() + fed.wait_for_nodes_s
-        while True:
-            nodes = list(self.grid.get_node_ids())
-            if len(nodes) >= fed.min_clients:
-                return nodes
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"only {len(nodes)} node(s) connected after "
-                                   f"{fed.wait_for_nodes_s:.0f} s, federation.min_clients is "
-                                   f"{fed.min_clients}: start more SuperNodes or lower "
-                                   "min_clients")
-            time.sleep(fed.poll_s)
+        return wait_for_nodes(self.grid, self.fed)
+
+
+def wait_for_nodes(grid: Grid, fed: FederationConfig) -> list[int]:
+    """``grid``'s connected node ids once at least ``fed.min_clients`` are there, waiting up
+    to ``fed.wait_for_nodes_s`` (else a clear error)."""
+    deadline = time.monotonic() + fed.wait_for_nodes_s
+    while True:
+        nodes = list(grid.get_node_ids())
+        if len(nodes) >= fed.min_clients:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"only {len(nodes)} node(s) connected after "
+                               f"{fed.wait_for_nodes_s:.0f} s, federation.min_clients is "
+                               f"{fed.min_clients}: start more SuperNodes or lower "
+                               "min_clients")
+        time.sleep(fed.poll_s)
 
 
 @dataclass

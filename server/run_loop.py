@@ -30,6 +30,10 @@ class RunLoop:
         self.source = source
         self.audit = audit
         self.stop_reason: str | None = None
+        self.failed = False  # stopped after federation.max_failed_rounds empty rounds
+        self._failed_streak: list[str] = []  # why each of the last rounds applied nothing
+        self._earlier_wall_s = 0.0  # a resumed run's rounds from before this process
+        self.resumed_after: int | None = None
 
     # ---- the run
 
@@ -78,7 +82,10 @@ class RunLoop:
         ctx.pipeline.load_state_dict(ckpt.state.get("pipeline", {}))
         if ctx.dp is not None:
             ctx.dp.load_state_dict(ckpt.state["dp"])
-        state.history = [r.metrics for r in ctx.store.rounds(run_id) if r.round <= ckpt.round]
+        kept = [r for r in ctx.store.rounds(run_id) if r.round <= ckpt.round]
+        state.history = [r.metrics for r in kept]
+        self._earlier_wall_s = sum(r.wall_s for r in kept)
+        self.resumed_after = ckpt.round
         ctx.store.reopen_run(run_id, after_round=ckpt.round)
         ctx.reporter.message(f"resuming run {run_id} after round {ckpt.round} "
                              f"(model version {ckpt.model_version})")
@@ -112,8 +119,11 @@ class RunLoop:
                               noise_multiplier=result.noise_multiplier)
         counts = result.counts()
         if not applied:
-            ctx.reporter.message(f"round {rnd}: {result.note or 'no update was applied'}; "
-                                 "the model is unchanged")
+            why = result.note or _nothing_applied(counts)
+            self._failed_streak.append(why + _first_reason(result))
+            ctx.reporter.message(f"round {rnd}: {why}; the model is unchanged")
+        else:
+            self._failed_streak = []
         ctx.store.record_round(run_id, round=rnd, model_version=state.version,
                                status=result.status, num_sampled=result.num_sampled,
                                num_replies=result.num_replies,
@@ -131,7 +141,11 @@ class RunLoop:
                 run_id, round=rnd, model_version=state.version, params=state.params,
                 state={"pipeline": ctx.pipeline.state_dict(),
                        "dp": ctx.dp.state_dict() if ctx.dp else {}})
-        ctx.reporter.round_finished(rnd, {**metrics, **{k: float(v) for k, v in counts.items()}})
+        shown = {**metrics, **{k: float(v) for k, v in counts.items()}}
+        if result.secure is not None:  # the secure round's outcome, for the round's line
+            shown.update(secure_survivors=float(len(result.secure.survivors)),
+                         secure_aborted=float(result.secure.status == "aborted"))
+        ctx.reporter.round_finished(rnd, shown)
         return metrics
 
     # ---- helpers
@@ -163,13 +177,22 @@ class RunLoop:
             metrics["epsilon_model"] = spent.epsilon_model
 
     def _should_stop(self) -> bool:
-        """Stop before the next round: the privacy budget, the target or the source."""
-        why = self._over_budget() or self.source.stop_reason()
+        """Stop before the next round: the privacy budget, the target, the source or too
+        many consecutive rounds that applied nothing."""
+        why = self._over_budget() or self.source.stop_reason() or self._too_many_failed()
         if why is not None:
             self.stop_reason = f"stopped before round {self.ctx.state.round + 1}: {why}"
             self.ctx.reporter.message(self.stop_reason)
             return True
         return self._target_reached()
+
+    def _too_many_failed(self) -> str | None:
+        limit = self.ctx.fed.max_failed_rounds
+        if not limit or len(self._failed_streak) < limit:
+            return None
+        self.failed = True
+        return (f"{len(self._failed_streak)} consecutive rounds applied no update "
+                f"(federation.max_failed_rounds = {limit}); the last: {self._failed_streak[-1]}")
 
     def _over_budget(self) -> str | None:
         dp = self.ctx.dp
@@ -187,13 +210,16 @@ class RunLoop:
     def _summary(self, run_id: str, wall_s: float) -> dict[str, Any]:
         ctx, state = self.ctx, self.ctx.state
         last = state.history[-1] if state.history else {}
-        status = ("stopped" if self.stop_reason else
+        status = ("failed" if self.failed else "stopped" if self.stop_reason else
                   "completed" if state.version > 0 else "failed")
         summary: dict[str, Any] = {
             "run_id": run_id, "status": status, "rounds": state.round,
             "versions": state.version, "final_accuracy": last.get("accuracy"),
             "final_loss": last.get("loss"), "wall_s": round(wall_s, 3),
+            "wall_s_total": round(self._earlier_wall_s + wall_s, 3),
             "store": ctx.store.display_url()}
+        if self.resumed_after is not None:  # wall_s is this part's, wall_s_total the run's
+            summary["resumed_after_round"] = self.resumed_after
         if ctx.dp is not None:
             summary.update(ctx.dp.summary())
         if self.audit is not None:  # the one-shot estimate from theta_T - theta_0
@@ -209,3 +235,15 @@ class RunLoop:
         summary["reached_target"] = (self._target_reached()
                                      if ctx.driver_config.target_accuracy > 0 else None)
         return summary
+
+
+def _nothing_applied(counts: dict[str, int]) -> str:
+    """Why a round without a note applied nothing, from its updates' fates."""
+    return (f"no update was applied ({counts['accepted']} accepted, {counts['rejected']} "
+            f"rejected, {counts['dropped']} dropped)")
+
+
+def _first_reason(result: RoundResult) -> str:
+    """An example of why updates were refused: the first recorded reason, if any."""
+    first = next((r for r in result.records if r.fate != "accepted" and r.reason), None)
+    return "" if first is None else f"; e.g. client {first.client_id}: {first.reason}"

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from client.app import make_client_app
-from server.app import make_server_app
+from server.app import NODES_KEY, make_server_app
 from simulations.config import load_scenario
 from simulations.module_task import make_task
 from simulations.task import task_spec
@@ -24,10 +24,16 @@ def config_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
 
     ``scenario`` names the scenario, ``overrides`` holds ``section.key=value`` pairs
     separated by commas or spaces (``flwr run . --run-config 'overrides="federation.rounds=3"'``),
-    and any dotted ``section.key`` entry is applied as a typed override too.
+    and any dotted ``section.key`` entry is applied as a typed override too. Where neither
+    sets ``federation.clients``, the ServerApp's count of connected nodes (``NODES_KEY``)
+    does.
     """
     raw = str(run_config.get("overrides", "")).replace(",", " ").split()
     values = {k: v for k, v in run_config.items() if k not in RESERVED_RUN_CONFIG and "." in k}
+    nodes = run_config.get(NODES_KEY)  # the ServerApp's count of connected nodes
+    if nodes and "federation.clients" not in values and not any(
+            o.split("=", 1)[0].strip() == "federation.clients" for o in raw):
+        values["federation.clients"] = int(nodes)
     return load_scenario(str(run_config.get("scenario", "default")), raw, values=values)
 
 

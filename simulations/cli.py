@@ -106,7 +106,7 @@ def _stored_config(args: argparse.Namespace) -> dict[str, Any]:
     if changed:
         raise ValueError(f"--resume continues a run with its stored configuration; drop "
                          f"{', '.join(changed)}")
-    with Store(args.db) as store:
+    with Store(args.db, create=False) as store:
         return store.get_run(args.resume).config
 
 
@@ -122,9 +122,14 @@ def _attackers(config: dict[str, Any]) -> list[int] | None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from server.store import Store
     from simulations.progress import RichReporter
 
     config = _stored_config(args) if args.resume else _resolve(args)
+    from simulations.apps import build_task
+
+    build_task(config)  # bad data or model settings fail here, before any progress shows
+    Store(args.db).close()  # and so does a bad or unreachable --db
     console = Console(stderr=True)
     with RichReporter(config["federation"]["rounds"], console=console) as reporter:
         summary = run_simulation(config, engine=args.engine, db=args.db, reporter=reporter,
@@ -147,8 +152,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     central = ", ".join(f"{name} {summary[key]:.4f}" for name, key in
                         (("accuracy", "final_accuracy"), ("loss", "final_loss"))
                         if summary.get(key) is not None) or "no central evaluation"
+    took = f"{summary['wall_s']:.1f} s"
+    if "resumed_after_round" in summary:
+        took += f" since resuming ({summary['wall_s_total']:.1f} s for the whole run)"
     console.print(f"[bold green]{summary['status']}[/]: run {summary['run_id']}, "
-                  f"{summary['rounds']} rounds, {central}{privacy}, {summary['wall_s']:.1f} s, "
+                  f"{summary['rounds']} rounds, {central}{privacy}, {took}, "
                   f"store {summary['store']}")
     if summary.get("stop_reason"):
         console.print(f"[yellow]{summary['stop_reason']}")
@@ -161,48 +169,71 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     from server.store import Store
+    from simulations.report import RUN_COLUMNS, run_row
 
-    with Store(args.db) as store:
-        runs = store.list_runs()
-    table = Table(title=f"runs in {args.db}")
-    for col in ("run", "name", "status", "seed", "rounds", "accuracy", "created"):
-        table.add_column(col)
+    with Store(args.db, create=False) as store:
+        runs = [run_row(r) for r in store.list_runs()]
+    if args.json:
+        print(json.dumps(runs))
+        return 0
+    table = Table(title=f"runs in {args.db}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+                  show_edge=False)
+    for col in RUN_COLUMNS:  # ids and dates are never cut
+        table.add_column(col, no_wrap=col in ("run", "created", "status"))
     for r in runs:
-        acc = (r.summary or {}).get("final_accuracy")
-        table.add_row(r.run_id, r.name or "", r.status, str(r.seed), str(r.num_rounds),
-                      "" if acc is None else f"{acc:.4f}", str(r.created_at)[:19])
+        table.add_row(*(_fmt(r[c]) for c in RUN_COLUMNS[:-1]), r["created"][:16])
     Console().print(table)
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     from server.store import Store
-    from simulations.report import audit_line, plot_run, privacy_summary, round_table
+    from simulations.report import (
+        audit_line,
+        plot_run,
+        privacy_summary,
+        report_columns,
+        round_table,
+        run_row,
+    )
 
-    with Store(args.db) as store:
+    with Store(args.db, create=False) as store:
         info = store.get_run(args.run_id)
         rows = round_table(store.rounds(args.run_id), store.secagg_rounds(args.run_id))
         privacy = privacy_summary(store.privacy_ledger(args.run_id), info.config)
-        path = plot_run(store, args.run_id, Path(args.out))
-    table = Table(title=f"run {info.run_id} ({info.name}, {info.status})")
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+        path = None if args.json else plot_run(store, args.run_id, Path(args.out))
+    if args.json:
+        print(json.dumps({**run_row(info), "summary": info.summary, "privacy": privacy,
+                          "audit": audit_line(info.summary), "rounds_table": rows},
+                         default=str))
+        return 0
+    table = Table(title=f"run {info.run_id} ({info.name}, {info.status})", box=box.SIMPLE_HEAD,
+                  padding=(0, 1, 0, 0), show_edge=False)
+    columns = report_columns(rows, wide=args.wide)
     for col in columns:
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for row in rows:
         table.add_row(*(_fmt(row.get(c)) for c in columns))
     console = Console()
     console.print(table)
+    if not args.wide:
+        console.print("more columns (version, sampled, secure rounds' k/t and survivors, "
+                      "bytes, train loss, ...): --wide")
     if privacy is not None:
         console.print(privacy)
     if audit_line(info.summary) is not None:
         console.print(audit_line(info.summary))
+    if info.summary and info.summary.get("stop_reason"):
+        console.print(info.summary["stop_reason"])
     console.print(f"plot: {path}")
     return 0
 
@@ -237,12 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser("runs", help="list runs in the store")
     runs.add_argument("--db", default=DEFAULT_DB)
+    runs.add_argument("--json", action="store_true", help="print the runs as one JSON list")
     runs.set_defaults(func=cmd_runs)
 
     rep = sub.add_parser("report", help="per-round table and plot of a run")
     rep.add_argument("run_id")
     rep.add_argument("--db", default=DEFAULT_DB)
     rep.add_argument("--out", default="runs", help="directory for the PNG plot")
+    rep.add_argument("--wide", action="store_true", help="every column, not only the essential")
+    rep.add_argument("--json", action="store_true",
+                     help="print the run and its rounds as one JSON object (no plot)")
     rep.set_defaults(func=cmd_report)
 
     from simulations.deploy import add_parsers as add_deploy_parsers

@@ -131,6 +131,17 @@ def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
         node[last] = value
 
 
+def drop_other_kinds_params(raw: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """An override that switches ``model.kind`` drops the scenario's parameters of the old
+    kind (e.g. ``hidden`` of an MLP), keeping only those the overrides set too."""
+    model = raw.get("model")
+    new_kind = overrides.get("model.kind")
+    if not isinstance(model, dict) or new_kind is None or new_kind == model.get("kind", "mlp"):
+        return
+    raw["model"] = {k: v for k, v in model.items()
+                    if k == "kind" or f"model.{k}" in overrides}
+
+
 def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved configuration: every section with its defaults, or a clear error."""
     unknown = sorted(k for k in raw if k not in SECTIONS and k not in FREE_SECTIONS
@@ -202,14 +213,14 @@ def load_scenario(name_or_path: str = "default", overrides: Iterable[str] = (), 
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"scenario '{path}' is not valid TOML: {exc}") from exc
-    parsed = dict(parse_override(o) for o in overrides)
-    if parsed.get("task.module") or (values or {}).get("task.module"):
+    given = {**dict(parse_override(o) for o in overrides), **dict(values or {})}
+    if given.get("task.module"):
         # the user's module replaces the file's data and model (and the file's module)
         for section in ("data", "model"):
             raw.pop(section, None)
     elif isinstance(raw.get("task"), dict) and raw["task"].get("module"):
         raw["task"]["module"] = _task_module(raw, path.parent.resolve())  # the file's folder
-    apply_overrides(raw, parsed)
-    apply_overrides(raw, dict(values or {}))
+    drop_other_kinds_params(raw, given)
+    apply_overrides(raw, given)
     raw.setdefault("name", path.stem)
     return validate(raw)

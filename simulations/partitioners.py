@@ -61,11 +61,6 @@ def partition(
     if not _is_int(num_clients) or num_clients < 1:
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
     num_clients = int(num_clients)
-    if num_clients > n:
-        raise ValueError(
-            f"cannot split {n} samples among {num_clients} clients; "
-            f"ask for at most {n} clients or use more data"
-        )
     if not _is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if (
@@ -80,18 +75,30 @@ def partition(
     if not _is_int(min_size) or min_size < 0:
         raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
     min_size = int(min_size)
-    if min_size * num_clients > n:
-        raise ValueError(
-            f"{num_clients} clients with at least {min_size} samples each need "
-            f"{min_size * num_clients} samples but there are {n}; "
-            f"ask for at most {n // max(min_size, 1)} clients or lower min_size"
-        )
+    if num_clients > n or min_size * num_clients > n:
+        need = (f"{num_clients} clients with at least {min_size} samples each need "
+                f"{min_size * num_clients} samples" if min_size > 1
+                else f"{num_clients} clients need at least one sample each")
+        most = min(n, n // max(min_size, 1))
+        if kind == "dirichlet":
+            most = _dirichlet_limit(labels, most + 1, seed, float(alpha), min_size)
+        raise ValueError(f"{need} but there are {n}; ask for at most {most} clients"
+                         + (" or lower min_size" if min_size > 1 else ""))
 
     rng = np.random.default_rng(seed)
     if kind == "iid":
         parts = np.array_split(rng.permutation(n), num_clients)
     elif kind == "dirichlet":
-        parts = _dirichlet(labels, num_clients, rng, float(alpha), min_size)
+        try:
+            parts = _dirichlet(labels, num_clients, rng, float(alpha), min_size)
+        except _DirichletFailed:
+            most = _dirichlet_limit(labels, num_clients, seed, float(alpha), min_size)
+            raise ValueError(
+                f"dirichlet partition (alpha={float(alpha):g}) could not give each of "
+                f"{num_clients} clients at least min_size={min_size} samples in "
+                f"{DIRICHLET_MAX_TRIES} draws; with this seed it works for {most} clients: "
+                "ask for at most that many, raise alpha or lower min_size"
+            ) from None
     elif kind == "shards":
         parts = _shards(labels, num_clients, rng, int(shards_per_client))
     else:
@@ -133,11 +140,7 @@ def _dirichlet(
         if sizes.sum(axis=0).min() >= min_size:
             break
     else:
-        raise ValueError(
-            f"dirichlet partition (alpha={alpha:g}) could not give each of {num_clients} clients "
-            f"at least min_size={min_size} samples in {DIRICHLET_MAX_TRIES} draws; "
-            "raise alpha, lower min_size or use fewer clients"
-        )
+        raise _DirichletFailed
 
     pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, idx in enumerate(class_indices):
@@ -146,6 +149,25 @@ def _dirichlet(
             if len(chunk):
                 pieces[client].append(chunk)
     return [np.concatenate(p) if p else np.empty(0, dtype=np.int64) for p in pieces]
+
+
+class _DirichletFailed(Exception):
+    """No draw gave every client ``min_size`` samples."""
+
+
+def _dirichlet_limit(labels: np.ndarray, failing: int, seed: int, alpha: float,
+                     min_size: int) -> int:
+    """A number of clients below ``failing`` that the Dirichlet partitioner splits
+    ``labels`` among with this seed (by bisection: a count it was seen to accept)."""
+    works, fails = 0, failing
+    while fails - works > 1:
+        mid = (works + fails) // 2
+        try:
+            _dirichlet(labels, mid, np.random.default_rng(seed), alpha, min_size)
+            works = mid
+        except _DirichletFailed:
+            fails = mid
+    return max(works, 1)
 
 
 def _shards(
@@ -179,8 +201,9 @@ def _natural(n: int, num_clients: int, groups: np.ndarray | None) -> list[np.nda
     num_groups = int(inverse.max()) + 1
     if num_clients != num_groups:
         raise ValueError(
-            f"natural partition has {num_groups} groups but num_clients={num_clients}; "
-            f"set num_clients to {num_groups}"
+            f"natural partition makes one client per group: the data has {num_groups} "
+            f"groups but {num_clients} clients were asked for; set federation.clients = "
+            f"{num_groups} (for the synthetic dataset, data.options.num_users sets the groups)"
         )
     order = np.argsort(inverse, kind="stable")
     return np.split(order, np.cumsum(np.bincount(inverse, minlength=num_groups))[:-1])

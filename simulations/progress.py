@@ -42,6 +42,8 @@ class RichReporter(Reporter):
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
         info = (f"loss {metrics.get('loss', float('nan')):.4f}  "
                 f"acc {metrics.get('accuracy', float('nan')):.4f}")
+        if "epsilon" in metrics:  # privacy spent so far, after every round
+            info += f"  eps {metrics['epsilon']:.3g}"
         self.progress.update(self._rounds, completed=rnd, info=info)
 
     def message(self, text: str) -> None:

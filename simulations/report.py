@@ -8,10 +8,14 @@ from typing import Any
 
 from privacy.dp import DPConfig
 from server.dp import figure_relations
-from server.store import RoundInfo, Store
+from server.store import RoundInfo, RunInfo, Store
 
 SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
                   "masked_input": "drop@input", "unmasking": "drop@unmask"}
+# what ``fedring report`` shows without --wide: readable at 80 columns
+ESSENTIAL_COLUMNS = ("round", "status", "accepted", "rejected", "dropped", "accuracy", "loss",
+                     "epsilon")
+RUN_COLUMNS = ("run", "name", "status", "rounds", "accuracy", "created")
 
 
 def round_table(rounds: list[RoundInfo],
@@ -40,6 +44,23 @@ def round_table(rounds: list[RoundInfo],
                 else value
         rows.append(row)
     return rows
+
+
+def report_columns(rows: list[dict[str, object]], *, wide: bool) -> list[str]:
+    """The columns of a run's round table: every one with ``wide``, else the essential ones
+    that the run has."""
+    present = list(dict.fromkeys(k for row in rows for k in row))
+    return present if wide else [c for c in ESSENTIAL_COLUMNS if c in present]
+
+
+def run_row(run: RunInfo) -> dict[str, Any]:
+    """A run as ``fedring runs`` lists it (and as ``--json`` prints it)."""
+    summary = run.summary or {}
+    return {"run": run.run_id, "name": run.name or "", "status": run.status,
+            "rounds": run.num_rounds, "accuracy": summary.get("final_accuracy"),
+            "created": run.created_at.isoformat(timespec="seconds"), "seed": run.seed,
+            "finished": run.finished_at.isoformat(timespec="seconds")
+            if run.finished_at else None, "stop_reason": summary.get("stop_reason")}
 
 
 def relations(config: Mapping[str, Any]) -> tuple[str, str | None]:

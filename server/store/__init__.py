@@ -18,8 +18,8 @@ writer) and ``repository`` (``Store``: queries and writes, re-recording). ``migr
 upgrades an existing database.
 """
 
-from .engine import mask_url
-from .errors import CorruptCheckpoint, StoreError, UnknownRun
+from .engine import absolute_url, mask_url
+from .errors import CorruptCheckpoint, StoreError, StoreUnavailable, UnknownRun
 from .records import (
     FATES,
     ROUND_STATUSES,
@@ -42,8 +42,10 @@ __all__ = [
     "RunInfo",
     "Store",
     "StoreError",
+    "StoreUnavailable",
     "UnknownRun",
     "UpdateRecord",
+    "absolute_url",
     "mask_url",
     "pack_state",
     "unpack_state",

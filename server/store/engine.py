@@ -21,10 +21,14 @@ from typing import Any
 
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
 
+from .errors import StoreUnavailable
 from .models import Base
+
+URL_FORMS = ("sqlite:///PATH (a file, e.g. sqlite:///runs/fedring.db) or "
+             "postgresql+psycopg://user:password@host:5432/dbname")
 
 
 def parse_url(url: str) -> URL:
@@ -41,6 +45,16 @@ def parse_url(url: str) -> URL:
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
     return parsed
+
+
+def absolute_url(url: str) -> str:
+    """``url`` with a relative SQLite file made absolute against the working directory, so
+    that a message can say where the store is."""
+    parsed = parse_url(url)
+    path = _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+    if path is None or path.is_absolute():
+        return url
+    return parsed.set(database=str(path.resolve())).render_as_string(hide_password=False)
 
 
 def mask_url(url: str) -> str:
@@ -67,8 +81,31 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
         cur.close()
 
 
-def make_engine(parsed: URL) -> Engine:
-    """An engine with strict JSON, and for SQLite the pragmas, folder and pool above."""
+def make_engine(parsed: URL, *, create: bool = True) -> Engine:
+    """An engine with strict JSON, and for SQLite the pragmas, folder and pool above.
+
+    A URL of a database SQLAlchemy has no dialect or driver for, or (``create=False``) a
+    SQLite file that does not exist, fails with a one-line ``StoreUnavailable``."""
+    try:
+        return _make_engine(parsed, create=create)
+    except NoSuchModuleError:
+        raise StoreUnavailable(f"unsupported database URL {_shown(parsed)}: the store takes "
+                               f"{URL_FORMS}") from None
+    except ImportError as exc:
+        raise StoreUnavailable(
+            f"the driver for {parsed.drivername}:// (module {exc.name}) is not installed; the "
+            f"store runs on SQLite and PostgreSQL (psycopg 3, installed with fedring): "
+            f"{URL_FORMS}") from None
+    except OSError as exc:
+        raise StoreUnavailable(f"cannot create the SQLite file of {_shown(parsed)}: "
+                               f"{exc.strerror} ({exc.filename})") from None
+
+
+def _shown(parsed: URL) -> str:
+    return parsed.render_as_string(hide_password=True)
+
+
+def _make_engine(parsed: URL, *, create: bool) -> Engine:
     kwargs: dict[str, Any] = {
         # Strict JSON on every back end; non-finite floats were already turned into strings.
         "json_serializer": partial(json.dumps, allow_nan=False),
@@ -76,6 +113,9 @@ def make_engine(parsed: URL) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         path = _sqlite_file(parsed)
         kwargs["connect_args"] = {"timeout": 30.0}
+        if path is not None and not create and not path.is_file():
+            raise StoreUnavailable(f"there is no run store at {path} (no such file); give the "
+                                   "--db of the runs, e.g. sqlite:///runs/fedring.db")
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
         elif not parsed.database or parsed.database == ":memory:":
@@ -90,7 +130,19 @@ def make_engine(parsed: URL) -> Engine:
 
 
 def create_schema(engine: Engine) -> None:
-    """Create the tables that are missing (also when another process races us to it)."""
+    """Create the tables that are missing (also when another process races us to it); a
+    server that does not answer fails with a one-line ``StoreUnavailable``."""
+    try:
+        with engine.connect():
+            pass
+    except OperationalError as exc:
+        url = engine.url
+        reason = str(exc.orig).strip().splitlines()[0]
+        if url.get_backend_name() == "sqlite":
+            raise StoreUnavailable(f"cannot open {_shown(url)}: {reason}") from None
+        raise StoreUnavailable(
+            f"the database server is not reachable at {url.host or 'localhost'}:"
+            f"{url.port or 5432} ({reason}); start it or fix the --db URL") from None
     try:
         Base.metadata.create_all(engine)
     except DBAPIError:

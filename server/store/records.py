@@ -48,7 +48,7 @@ class RunInfo:
     finished_at: datetime | None
     config: dict
     summary: dict | None
-    num_rounds: int  # rounds recorded so far
+    num_rounds: int  # training rounds recorded so far (not round 0, the initial model's)
 
 
 @dataclass(frozen=True)

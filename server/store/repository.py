@@ -84,10 +84,11 @@ def _now_strict() -> datetime:
 class Store:
     """SQL store of runs. Thread-safe: every call uses its own session."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, create: bool = True) -> None:
+        """Open the store at ``url``; ``create=False``: a SQLite file must exist already."""
         self.url = url
         self._parsed = parse_url(url)
-        self._engine = make_engine(self._parsed)
+        self._engine = make_engine(self._parsed, create=create)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._closed = False
         self._writer = BackgroundWriter()
@@ -203,7 +204,8 @@ class Store:
     def list_runs(self) -> list[RunInfo]:
         """All runs, newest first."""
         counts = (
-            select(RoundRow.run_id, func.count().label("n")).group_by(RoundRow.run_id).subquery()
+            select(RoundRow.run_id, func.count().label("n")).where(RoundRow.round > 0)
+            .group_by(RoundRow.run_id).subquery()
         )
         query = (
             select(RunRow, func.coalesce(counts.c.n, 0))
@@ -216,7 +218,8 @@ class Store:
     def get_run(self, run_id: str) -> RunInfo:
         with self._session() as s:
             row = self._run_row(s, run_id)
-            n = s.scalar(select(func.count()).where(RoundRow.run_id == run_id))
+            n = s.scalar(select(func.count()).where(RoundRow.run_id == run_id,
+                                                    RoundRow.round > 0))
             return self._run_info(row, n or 0)
 
     # ---- rounds and updates

@@ -34,7 +34,14 @@ from simulations.deploy.commands import (
     superlink_command,
     supernode_command,
 )
-from simulations.deploy.deployment import STATE_FILE, down, read_state, up
+from simulations.deploy.deployment import (
+    POINTER_FILE,
+    STATE_FILE,
+    down,
+    find_state_dir,
+    read_state,
+    up,
+)
 from simulations.deploy.federation import write_federation
 from simulations.deploy.processes import (
     HOST,
@@ -50,8 +57,9 @@ from simulations.deploy.processes import (
 )
 
 __all__ = [
-    "HOST", "STATE_FILE", "DeployError", "Options", "add_parsers", "alive", "cmd_down",
-    "cmd_up", "descendants", "down", "executor_command", "free_port", "launch_process",
-    "log_has", "port_open", "read_state", "run_command", "start_time", "stop_processes",
-    "superlink_command", "supernode_command", "up", "write_federation",
+    "HOST", "POINTER_FILE", "STATE_FILE", "DeployError", "Options", "add_parsers", "alive",
+    "cmd_down", "cmd_up", "descendants", "down", "executor_command", "find_state_dir",
+    "free_port", "launch_process", "log_has", "port_open", "read_state", "run_command",
+    "start_time", "stop_processes", "superlink_command", "supernode_command", "up",
+    "write_federation",
 ]

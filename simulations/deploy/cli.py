@@ -26,8 +26,13 @@ def cmd_up(args: Any) -> int:
 
 
 def cmd_down(args: Any) -> int:
-    stopped = down(Path(args.dir))
-    print(f"stopped {len(stopped)} process(es)" + (f": {stopped}" if stopped else ""))
+    try:
+        stopped = down(Path(args.dir) if args.dir else None)
+    except DeployError as exc:
+        print(f"fedring: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"stopped {len(stopped)} process(es)" + (f": {stopped}" if stopped else
+                                                   " (nothing was running)"))
     return 0
 
 
@@ -35,7 +40,11 @@ def cmd_certs(args: Any) -> int:
     from simulations.certs import write_all
 
     hosts = [h for h in args.hosts.split(",") if h]
-    m = write_all(Path(args.out), nodes=args.nodes, hosts=hosts)
+    try:
+        m = write_all(Path(args.out), nodes=args.nodes, hosts=hosts)
+    except OSError as exc:
+        raise ValueError(f"cannot write the certificates to {args.out}: {exc.strerror} "
+                         f"({exc.filename}); give --out a directory you can write") from None
     print(f"CA {m.ca}\nSuperLink {m.server_cert} {m.server_key} (for {', '.join(hosts)})")
     for (cert, key), (auth, pub) in zip(m.node_certs, m.auth_keys, strict=True):
         print(f"SuperNode {cert} {key}; auth key {auth} (register {pub})")
@@ -66,7 +75,8 @@ def add_parsers(sub: Any) -> None:
     upp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for start")
     upp.set_defaults(func=cmd_up)
     dwn = dep_sub.add_parser("down", help="stop the processes `deploy up` started")
-    dwn.add_argument("--dir", default=str(STATE_DIR))
+    dwn.add_argument("--dir", help="the --dir given to `up` (default: where `up` recorded "
+                                   f"it in Flower's home, else {STATE_DIR})")
     dwn.set_defaults(func=cmd_down)
 
     crt = sub.add_parser("certs", help="development CA, TLS certificates, SuperNode auth keys")

@@ -109,7 +109,12 @@ def executor_command(runtime_port: int, parent_pid: int, opts: Options,
 
 
 def run_command(federation: str, db: str, nodes: int, scenario: str = "default") -> str:
-    overrides = f"federation.clients={nodes} federation.min_clients={nodes}"
+    """``flwr run`` for the deployment: rounds go on without one node (docs/DEPLOYMENT.md,
+    Faults), and a relative SQLite ``db`` is made absolute here, where the user is."""
+    from server.store import absolute_url
+
+    overrides = f"federation.clients={nodes} federation.min_clients={max(1, nodes - 1)}"
+    db = absolute_url(db)
     run_config = f'scenario="{scenario}" db="{db}" overrides="{overrides}"'
     return f"flwr run . {federation} --run-config {shlex.quote(run_config)} --stream"
 

@@ -19,7 +19,13 @@ from simulations.deploy.commands import (
     superlink_command,
     supernode_command,
 )
-from simulations.deploy.federation import flwr_config_path, register_supernode, write_federation
+from simulations.deploy.federation import (
+    flwr_config_path,
+    flwr_home,
+    register_supernode,
+    remove_federation,
+    write_federation,
+)
 from simulations.deploy.processes import (
     HOST,
     DeployError,
@@ -33,6 +39,47 @@ from simulations.deploy.processes import (
 )
 
 STATE_FILE = "state.json"
+POINTER_FILE = "fedring-deployments.json"  # in Flower's home: {federation: state dir}
+
+
+def pointer_path() -> Path:
+    """Where ``up`` records its state directory, for a ``down`` without ``--dir``."""
+    return flwr_config_path().parent / POINTER_FILE
+
+
+def _pointers() -> dict[str, str]:
+    path = pointer_path()
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _set_pointer(federation: str, state_dir: Path | None) -> None:
+    pointers = _pointers()
+    if state_dir is None:
+        pointers.pop(federation, None)
+    else:
+        pointers[federation] = str(state_dir)
+    pointer_path().parent.mkdir(parents=True, exist_ok=True)
+    pointer_path().write_text(json.dumps(pointers, indent=2))
+
+
+def find_state_dir(state_dir: Path | None = None) -> Path:
+    """The state directory of the deployment to stop: ``state_dir``; without it, the one
+    ``up`` recorded in Flower's home, else the default. Fails saying where it looked."""
+    if state_dir is not None:
+        candidates = [Path(state_dir).resolve()]
+    else:
+        candidates = [*(Path(d) for d in _pointers().values()), STATE_DIR.resolve()]
+    found = list(dict.fromkeys(d for d in candidates if read_state(d) is not None))
+    running = [d for d in found if read_state(d)["processes"]]
+    if len(running) > 1:
+        raise DeployError("several deployments are running, from "
+                          f"{', '.join(map(str, running))}: give --dir")
+    if running or found:
+        return (running or found)[0]
+    looked = ", ".join(str(d / STATE_FILE) for d in dict.fromkeys(candidates))
+    where = "" if state_dir is not None else f" (and the record in {pointer_path()})"
+    raise DeployError(f"no deployment state found: looked for {looked}{where}; give the "
+                      "--dir that `fedring deploy up` used")
 
 
 def read_state(state_dir: Path = STATE_DIR) -> dict[str, Any] | None:
@@ -118,21 +165,26 @@ def up(opts: Options) -> dict[str, Any]:
         raise
     state["run_command"] = run_command(opts.federation, opts.db, opts.nodes)
     write_state(state_dir, state)
+    _set_pointer(opts.federation, state_dir)
     return state
 
 
-def down(state_dir: Path = STATE_DIR, timeout_s: float = 10.0) -> list[int]:
-    """Stop the processes ``up`` recorded (and their descendants); returns PIDs signalled."""
-    state_dir = Path(state_dir).resolve()
+def down(state_dir: Path | None = None, timeout_s: float = 10.0) -> list[int]:
+    """Stop the processes ``up`` recorded (and their descendants) and remove the federation
+    entry it wrote; returns the PIDs signalled. Without ``state_dir``, ``up``'s record
+    says where its state is (``find_state_dir``)."""
+    state_dir = find_state_dir(state_dir)
     state = read_state(state_dir)
-    if state is None:
-        return []
+    assert state is not None
     stopped = stop_processes(state["processes"], timeout_s)
     state["processes"] = []
+    with flwr_home(state.get("flwr_home")):
+        if state.get("federation_toml"):
+            remove_federation(state["federation"])
+        if _pointers().get(state["federation"]) == str(state_dir):
+            _set_pointer(state["federation"], None)
     write_state(state_dir, state)
     return stopped
-
-
 def describe(state: dict[str, Any]) -> str:
     """The federation entry, the run command and the plain commands behind a deployment."""
     lines = [f"Flower federation '{state['federation']}' on {state['address']} "
@@ -148,5 +200,5 @@ def describe(state: dict[str, Any]) -> str:
         lines += ["", "# SuperNode keys registered before the SuperNodes started, as with:"]
         lines += [f"flwr supernode register {certs / f'node-{i}.auth.pub'} {state['federation']}"
                   for i in range(state["nodes"])]
-    lines += ["", "# stop them: fedring deploy down"]
+    lines += ["", f"# stop them: fedring deploy down (the state is in {state['state_dir']})"]
     return "\n".join(lines)

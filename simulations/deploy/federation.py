@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from simulations.deploy.processes import DeployError
@@ -12,6 +15,39 @@ def flwr_config_path() -> Path:
     from flwr.supercore.utils import get_flwr_home
 
     return Path(get_flwr_home()) / "config.toml"
+
+
+@contextmanager
+def flwr_home(path: str | None) -> Iterator[None]:
+    """Flower's home as recorded by ``up`` (``$FLWR_HOME`` then; empty: the default)."""
+    before = os.environ.get("FLWR_HOME")
+    if path:
+        os.environ["FLWR_HOME"] = path
+    try:
+        yield
+    finally:
+        if path and before is None:
+            del os.environ["FLWR_HOME"]
+        elif path:
+            os.environ["FLWR_HOME"] = before or ""
+
+
+def remove_federation(name: str) -> bool:
+    """Remove ``[superlink.<name>]`` (what ``write_federation`` wrote) from Flower's config;
+    True if it was there."""
+    from flwr.cli.flower_config import read_flower_config, write_flower_config
+
+    if not flwr_config_path().exists():
+        return False
+    config, _ = read_flower_config()
+    links = config.get("superlink", {})
+    if name not in links:
+        return False
+    del links[name]
+    if links.get("default") == name:
+        del links["default"]
+    write_flower_config(config)
+    return True
 
 
 def write_federation(name: str, address: str, ca: Path | None) -> str:

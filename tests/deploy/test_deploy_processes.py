@@ -57,6 +57,8 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         assert "[superlink.fedring-local]" in up.stdout and "flwr run . fedring-local" in up.stdout
+        pointers = json.loads((tmp / "flwr" / deploy.POINTER_FILE).read_text())
+        assert pointers == {"fedring-local": str(state_dir.resolve())}  # for `down` sans --dir
         yield {"state": state, "env": env, "tmp": tmp, "state_dir": state_dir}
     finally:
         records = state["processes"] if state else []
@@ -67,6 +69,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         deploy.stop_processes(records, timeout_s=5)  # never leave anything behind
         assert down.returncode == 0, down.stderr[-2000:]
         assert not leftover, f"deploy down left {leftover} running"
+        assert "fedring-local" not in (tmp / "flwr" / "config.toml").read_text()
 
 
 def _flwr_run(fed: dict[str, Any], db: str, overrides: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from simulations import deploy
 from simulations.certs import public_key_pem, write_all
 from simulations.cli import build_parser
 from simulations.deploy.commands import command_env
+from simulations.deploy.deployment import POINTER_FILE
 
 
 def test_certificates_chain_to_the_ca_and_name_the_hosts(tmp_path: Path) -> None:
@@ -108,7 +110,9 @@ def test_commands_stand_for_flower_commands(tmp_path: Path) -> None:
     exe = deploy.executor_command(10, 1234, opts, tmp_path)
     args = executor_parser().parse_args(exe[3:])
     assert args.parent_pid == 1234 and args.root_certificates == str(tmp_path / "ca.pem")
-    assert "federation.clients=3" in deploy.run_command("fed", "sqlite:///x.db", 3)
+    command = deploy.run_command("fed", "sqlite:///x.db", 3)
+    assert "federation.clients=3 federation.min_clients=2" in command  # survives one loss
+    assert f'db="sqlite:///{Path.cwd()}/x.db"' in command  # not the SuperLink's directory
 
 
 def _sleeper() -> subprocess.Popen:
@@ -147,8 +151,52 @@ def test_started_processes_import_this_repository(monkeypatch) -> None:
     assert (Path(root) / "client" / "executor.py").is_file()  # `python -m client.executor`
 
 
-def test_down_without_state_is_a_no_op(tmp_path: Path) -> None:
-    assert deploy.down(tmp_path / "nothing") == []
+def test_down_without_state_says_where_it_looked(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(deploy.DeployError, match=f"looked for {tmp_path}/nothing/state.json"):
+        deploy.down(tmp_path / "nothing")
+    with pytest.raises(deploy.DeployError) as info:
+        deploy.down()
+    assert f"{tmp_path}/runs/deploy/state.json" in str(info.value)
+    assert f"{tmp_path}/flwr/{POINTER_FILE}" in str(info.value)
+
+
+def test_down_finds_the_deployment_up_recorded_and_removes_its_federation(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """`deploy down` without --dir, from another directory, in a new process's place."""
+    from simulations.deploy.deployment import _set_pointer, write_state
+    from simulations.deploy.federation import flwr_config_path, write_federation
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr"))
+    write_federation("other", "127.0.0.1:2", None)  # someone else's entry stays
+    toml = write_federation("fedtest", "127.0.0.1:1", None)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    sleeper = _sleeper()
+    try:
+        write_state(state_dir, {
+            "federation": "fedtest", "state_dir": str(state_dir), "federation_toml": toml,
+            "flwr_home": str(tmp_path / "flwr"),
+            "processes": [{"name": "superlink", "pid": sleeper.pid,
+                           "start_time": deploy.start_time(sleeper.pid)}]})
+        _set_pointer("fedtest", state_dir)
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        assert build_parser().parse_args(["deploy", "down"]).dir is None
+        args = build_parser().parse_args(["deploy", "down"])
+        assert args.func(args) == 0
+        assert sleeper.wait(10) is not None
+        assert f"stopped 1 process(es): [{sleeper.pid}]" in capsys.readouterr().out
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    config = flwr_config_path().read_text()
+    assert "[superlink.fedtest]" not in config and "[superlink.other]" in config
+    assert json.loads((tmp_path / "flwr" / POINTER_FILE).read_text()) == {}
+    args = build_parser().parse_args(["deploy", "down"])
+    assert args.func(args) == 1  # nothing recorded any more: it says where it looked
+    assert "no deployment state found" in capsys.readouterr().err
 
 
 def test_cli_parses_deploy_and_certs(tmp_path: Path) -> None:

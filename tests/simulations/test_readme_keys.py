@@ -54,3 +54,31 @@ def test_each_row_lists_exactly_its_section_keys(section):
 
 def test_top_level_keys():
     assert readme_table()["top level"] == set(TOP_LEVEL_KEYS)
+
+
+def test_no_row_of_the_key_table_stands_outside_it():
+    """Rows after a blank line would render as text: every section row is in the one table."""
+    anywhere = re.findall(r"^\| `\[([a-z_]+)\]` \|", README.read_text(), flags=re.M)
+    assert sorted(anywhere) == sorted(set(anywhere))  # one row per section
+    assert set(anywhere) | {"top level"} == set(readme_table())
+
+
+def test_the_model_row_names_every_kind_and_parameter():
+    from simulations.models import _BUILDERS
+
+    row = README.read_text().split("| `[model]` |", 1)[1].split("\n", 1)[0]
+    named = set(re.findall(r"`([a-z_0-9]+)`", row))
+    assert named == {"kind", *_BUILDERS, *(p for _, params in _BUILDERS.values() for p in params)}
+
+
+def test_simulate_options_in_the_readme_are_the_commands():
+    """The README's list of `simulate` options names each option of the command, and no
+    other."""
+    from simulations.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    options = {o for a in sub.choices["simulate"]._actions for o in a.option_strings
+               if o.startswith("--") and o != "--help"}
+    text = README.read_text()
+    paragraph = text[text.index("Options of `simulate`"):].split("\n\n", 1)[0]
+    assert set(re.findall(r"`(--[a-z-]+)", paragraph)) == options

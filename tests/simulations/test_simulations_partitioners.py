@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -84,7 +85,7 @@ def test_dirichlet_min_size_honoured(n, num_clients, min_size, alpha, seed):
             labels, num_clients, kind="dirichlet", alpha=alpha, seed=seed, min_size=min_size
         )
     except ValueError as exc:
-        assert "raise alpha, lower min_size or use fewer clients" in str(exc)
+        assert "raise alpha or lower min_size" in str(exc)
         return
     check_partition(parts, n, num_clients)
     assert min(len(p) for p in parts) >= min_size
@@ -147,7 +148,8 @@ def test_dirichlet_handles_arbitrary_label_values():
 
 def test_dirichlet_gives_up_with_clear_error():
     labels = np.arange(20) % 2
-    with pytest.raises(ValueError, match=r"alpha=0\.001.*raise alpha, lower min_size"):
+    with pytest.raises(ValueError, match=r"alpha=0\.001.*works for \d+ clients.*"
+                                         r"raise alpha or lower min_size"):
         partition(labels, 10, kind="dirichlet", alpha=0.001, min_size=2, seed=0)
 
 
@@ -208,8 +210,8 @@ def test_natural_one_client_per_group():
         (np.zeros(10), 0, {}, "num_clients must be an integer >= 1"),
         (np.zeros(10), -3, {}, "num_clients must be an integer >= 1"),
         (np.zeros(10), 2.5, {}, "num_clients must be an integer >= 1"),
-        (np.zeros(10), 11, {}, "ask for at most 10 clients or use more data"),
-        (np.zeros(0), 1, {}, "ask for at most 0 clients or use more data"),
+        (np.zeros(10), 11, {}, "there are 10; ask for at most 10 clients"),
+        (np.zeros(0), 1, {}, "ask for at most 0 clients"),
         (np.zeros(10), 2, {"alpha": 0}, "alpha must be a finite number > 0"),
         (np.zeros(10), 2, {"alpha": -1.0, "kind": "dirichlet"}, "alpha must be"),
         (np.zeros(10), 2, {"alpha": "0.5", "kind": "dirichlet"}, "alpha must be"),
@@ -220,7 +222,7 @@ def test_natural_one_client_per_group():
             np.zeros(10),
             2,
             {"kind": "natural", "groups": np.arange(10) % 3},
-            "has 3 groups but num_clients=2; set num_clients to 3",
+            "has 3 groups but 2 clients were asked for; set federation.clients = 3",
         ),
         (
             np.zeros(10),
@@ -249,3 +251,15 @@ def test_errors_say_what_to_change(labels, num_clients, kwargs, pattern):
 
 def test_names():
     assert partitioner_names() == ["dirichlet", "iid", "natural", "shards"]
+
+
+@pytest.mark.parametrize("asked", [5000, 1437])
+def test_dirichlet_advice_names_a_count_that_works(asked):
+    """Too many clients for Dirichlet: the advised count is one the partitioner accepts."""
+    labels = np.arange(1437) % 10
+    with pytest.raises(ValueError, match=r"(?:at most|works for) \d+") as info:
+        partition(labels, asked, kind="dirichlet", alpha=0.5, seed=0)
+    advised = int(re.search(r"(?:at most|works for) (\d+)", str(info.value)).group(1))
+    assert 50 <= advised < 1437
+    parts = partition(labels, advised, kind="dirichlet", alpha=0.5, seed=0)
+    check_partition(parts, 1437, advised)

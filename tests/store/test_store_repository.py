@@ -109,8 +109,10 @@ def test_finish_run_rejects_bad_status(store: Store, status: str):
 def test_list_runs_newest_first(store: Store):
     assert store.list_runs() == []
     ids = [store.create_run(config={"i": i}, seed=i, name=f"run{i}") for i in range(5)]
+    store.record_round(ids[1], round=0, model_version=0)  # the initial model: no round
     store.record_round(ids[1], round=1, model_version=1)
     store.record_round(ids[1], round=2, model_version=2)
+    assert store.get_run(ids[1]).num_rounds == 2
     runs = store.list_runs()
     assert [r.run_id for r in runs] == ids[::-1]
     assert [r.num_rounds for r in runs] == [0, 0, 0, 2, 0]
