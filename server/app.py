@@ -12,6 +12,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from aggregation.pipeline import PreCombine
 from server.audit import make_audit
 from server.clock import Clock
 from server.compression import ReplyCompression
@@ -32,18 +33,22 @@ DEFAULT_DB = "sqlite:///runs/fedring.db"
 ConfigResolver = Callable[[Mapping[str, Any]], dict[str, Any]]
 TaskBuilder = Callable[[dict[str, Any]], ServerTask]
 ClockFactory = Callable[[dict[str, Any]], Clock]
+PreCombineFactory = Callable[[dict[str, Any]], PreCombine | None]
 
 
 def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_url: str,
                reporter: Reporter | None = None, clock: Clock | None = None,
-               resume: str | None = None) -> dict[str, Any]:
+               resume: str | None = None,
+               pre_combine: PreCombine | None = None) -> dict[str, Any]:
     """Run one federated training job over ``grid``; returns the run summary.
 
     With ``resume`` (a run id in the store) the run continues from its last checkpoint.
 
     The ``[driver]`` section picks the round source (sync, FedAsync, FedBuff or
     cross-silo), which ``server.run_loop.RunLoop`` drives; ``clock`` is a simulated clock in
-    simulations, else the wall clock is used.
+    simulations, else the wall clock is used. ``pre_combine`` may rewrite each sync
+    round's updates before they are aggregated (``aggregation.pipeline.Pipeline``; the
+    simulations' omniscient attackers).
     """
     check_rules(config)  # a configuration made by hand is refused before any round too
     scenario = ServerScenario.of(config)  # the typed sections, parsed once
@@ -51,7 +56,9 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     audit = make_audit(scenario, dp)  # None without [audit]: no canary enters the run
     pipeline = scenario.aggregation.build(dp.stages() if dp is not None else ([], []),
                                           staleness=scenario.driver.staleness_config(),
-                                          canaries=audit)
+                                          canaries=audit, seed=scenario.seed,
+                                          secure=scenario.secagg.enabled,
+                                          pre_combine=pre_combine)
     secure = make_secure_settings(scenario)  # None unless [secagg] is enabled
     store = Store(store_url)
     try:
@@ -86,7 +93,8 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
                     config: dict[str, Any] | None = None, store_url: str | None = None,
                     reporter: Reporter | None = None,
                     on_summary: Callable[[dict[str, Any]], None] | None = None,
-                    clock: ClockFactory | None = None, resume: str | None = None) -> ServerApp:
+                    clock: ClockFactory | None = None, resume: str | None = None,
+                    pre_combine: PreCombineFactory | None = None) -> ServerApp:
     """A Flower ServerApp for a fixed ``config``, or one resolved from the run config.
 
     Under ``flwr run`` the run config gives ``scenario`` (a name or TOML path), ``db``
@@ -109,7 +117,8 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
         else:
             cfg = resolve_config(run_config)
         summary = run_server(grid, cfg, task=build_task(cfg), store_url=url, resume=resume_id,
-                             reporter=reporter, clock=clock(cfg) if clock else None)
+                             reporter=reporter, clock=clock(cfg) if clock else None,
+                             pre_combine=pre_combine(cfg) if pre_combine else None)
         if on_summary is not None:
             on_summary(summary)
 

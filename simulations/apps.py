@@ -11,6 +11,7 @@ from typing import Any
 
 from client.app import make_client_app
 from server.app import make_server_app
+from simulations.attacks import omniscient_attack
 from simulations.config import load_scenario
 from simulations.task import ScenarioTask, task_spec
 
@@ -39,5 +40,5 @@ def build_task(config: Mapping[str, Any]) -> ScenarioTask:
     return task
 
 
-server_app = make_server_app(build_task, config_from_run_config)
+server_app = make_server_app(build_task, config_from_run_config, pre_combine=omniscient_attack)
 client_app = make_client_app(ScenarioTask, spec_from_run_config)

@@ -40,6 +40,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         config_from_run_config,
         spec_from_run_config,
     )
+    from simulations.attacks import omniscient_attack
     from simulations.heterogeneity import make_clock
 
     build_task(config)  # fails here, before any engine starts, on bad data or model settings
@@ -50,7 +51,8 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     result: dict[str, Any] = {}
     server_app = make_server_app(build_task, config_from_run_config, config=config,
                                  store_url=db, reporter=reporter, on_summary=result.update,
-                                 resume=resume, clock=None if cross_silo else make_clock)
+                                 resume=resume, clock=None if cross_silo else make_clock,
+                                 pre_combine=omniscient_attack)
     clients = config["federation"]["clients"]
     if engine == "inprocess":
         from simulations.inprocess import InProcessGrid

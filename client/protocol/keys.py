@@ -34,6 +34,8 @@ class ConfigKey(Names):
     TASK = "fedring.task"  # JSON of the data/model/train sections
     SEED = "fedring.seed"  # the run seed
     COMPRESSION = "fedring.compression"  # JSON of [compression] and "run" (compression.py)
+    CENTER = "fedring.center"  # client-side centered clipping: the centre, float32 LE bytes
+    CLIP_RADIUS = "fedring.clip-radius"  # and the radius to clip to around it (train.py)
 
 
 class MetricKey(Names):
