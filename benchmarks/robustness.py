@@ -30,8 +30,10 @@ first seed for every cell. ``--quick`` (tests): IID, one seed, 2 rounds of one l
 epoch, four attacks and four combines.
 
 Reported: the final central test accuracy per (partitioner, attack, combine) averaged
-over the seeds run, the seeds behind each cell, every run with the attackers its clients
-reported, the targets and sanity checks; a heatmap goes to docs/robustness.png.
+over the seeds run, the seeds behind each cell, a reference (outside quick mode): FedAvg
+over the 16 honest clients alone, the attackers' updates dropped; every run with the
+attackers its clients reported, the targets and sanity checks; a heatmap goes to
+docs/robustness.png.
 
     python benchmarks/robustness.py [--quick | --full] [--seeds N] [--plot PATH]
 
@@ -179,6 +181,33 @@ def run_one(values: dict[str, Any], key: tuple[str, int, str, str],
     return out
 
 
+def honest_only(p: str, seed: int, quick: bool, folder: str) -> float:
+    """Reference: FedAvg over the honest clients alone (the sign-flip attackers' updates
+    dropped before the combine), the accuracy a perfect filter would keep; the attackers'
+    own data is lost with them, which costs accuracy under label skew."""
+    from flwr.app import Context, RecordDict
+
+    from server.app import make_server_app
+    from simulations.apps import build_task, client_app, config_from_run_config
+    from simulations.config import load_scenario
+    from simulations.inprocess import InProcessGrid
+
+    values = {**(QUICK_WORKLOAD if quick else WORKLOAD), "data.partitioner": p, "seed": seed,
+              "attack.fraction": FRACTION, **ATTACKS["sign_flip"]}
+    config = load_scenario("default", values=values)
+    result: dict[str, Any] = {}
+
+    def drop(updates: list[Any]) -> list[Any]:
+        return [u for u in updates if not u.metrics.get("attacker")]
+
+    app = make_server_app(build_task, config_from_run_config, config=config,
+                          store_url=f"sqlite:///{folder}/{p}-honest-only-{seed}.db",
+                          on_summary=result.update, pre_combine=lambda _: drop)
+    app(InProcessGrid(client_app, CLIENTS), Context(run_id=1, node_id=0, node_config={},
+                                                    state=RecordDict(), run_config={}))
+    return round(result["final_accuracy"], 4)
+
+
 def table(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """partitioner -> attack -> combine -> accuracy averaged over the seeds run (None: not
     run), and the seeds behind each cell."""
@@ -197,8 +226,10 @@ def table(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     return acc, seeds
 
 
-def targets(acc: dict[str, dict[str, float | None]]) -> dict[str, Any]:
-    """The issue's targets on one partitioner's table (Dirichlet(0.5))."""
+def targets(acc: dict[str, dict[str, float | None]],
+            reference: float | None = None) -> dict[str, Any]:
+    """The issue's targets on one partitioner's table (Dirichlet(0.5)); ``reference``: the
+    honest-only FedAvg accuracy, for the gaps to it."""
     base = acc["none"]["mean"]
     if base is None:
         return {}
@@ -219,6 +250,11 @@ def targets(acc: dict[str, dict[str, float | None]]) -> dict[str, Any]:
         "cc_secagg_within_0.05": cc_s is not None and cc_s <= 0.05,
         "no_attack_loss_vs_fedavg": no_attack,
         "robust_no_attack_within_0.02": {c: g <= 0.02 for c, g in no_attack.items()},
+        "honest_only_fedavg": reference,
+        "cc_bucketing_worst_gap_to_honest_only": None if reference is None or cc_b is None
+        else round(cc_b - (base - reference), 4),
+        "cc_secagg_worst_gap_to_honest_only": None if reference is None or cc_s is None
+        else round(cc_s - (base - reference), 4),
     }
 
 
@@ -283,9 +319,15 @@ def main() -> None:
         runner = Runner(quick, folder)
         runs = [runner.run(*cell) for cell in cells]
         runs = list(runner.done.values())  # with the controls the radius needed
+        reference = {} if quick else {
+            p: statistics.fmean(honest_only(p, s, quick, folder) for s in seeds)
+            for p in PARTITIONERS}
     results, cell_seeds = table(runs)
+    reference = {p: round(v, 4) for p, v in reference.items()}
+    log(f"honest-only FedAvg (reference): {reference}")
     checks = sanity(results["iid"]) if "iid" in results else {}
-    goals = targets(results["dirichlet"]) if "dirichlet" in results else {}
+    goals = targets(results["dirichlet"], reference.get("dirichlet")) \
+        if "dirichlet" in results else {}
     plot_path = args.plot
     if plot_path is not None:
         plot(results, plot_path, f"final accuracy after {WORKLOAD['federation.rounds']} "
@@ -302,7 +344,8 @@ def main() -> None:
         "machine": machine(),
         "loadavg_before": load_before,
         "loadavg_after": load_average(),
-        "results": results, "seeds_per_cell": cell_seeds, "targets": goals,
+        "results": results, "seeds_per_cell": cell_seeds,
+        "honest_only_fedavg": reference, "targets": goals,
         "sanity": checks, "runs": runs,
         "plot": shown_path(plot_path, ROOT),
         "wall_s": round(time.perf_counter() - started, 1),
