@@ -27,6 +27,13 @@ class Combine:
     """Base class. ``linear`` combines can run under secure aggregation and over a ring."""
 
     linear: bool = False
+    #: Whether the combine works around the previous aggregate (``begin``'s ``center``).
+    needs_center: bool = False
+
+    def begin(self, *, version: int, center: np.ndarray | None) -> None:
+        """Told, after ``start``, the model version this aggregation is against and the
+        previous aggregate the pipeline kept (None: none yet, or not kept)."""
+        return None
 
     def __copy__(self) -> Combine:
         """A shallow copy (one per aggregation), without copy.copy's generic protocol."""

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from math import sqrt
 from typing import Any
 
@@ -36,13 +37,34 @@ class PostStage:
         return None
 
 
+PreCombine = Callable[[list[Update]], list[Update]]
+
+
 class Pipeline:
     """Stages in order: UpdateStage*, one Combine, PostStage*, optional ServerOptimizer.
 
     Without a server optimizer the aggregate is added as is (FedAvg with lr 1).
+
+    ``client_radius``: the clients clip their own update to this distance around the
+    previous aggregate before they send it (centered clipping's step that needs no other
+    client's update; see ``aggregation.centered.clip_around``). The pipeline then keeps the
+    aggregate it applies (after the post stages, before the server optimizer) as the next
+    round's centre, in its checkpointed state, as it does for a combine that
+    ``needs_center``.
+
+    ``pre_combine``: a function that may rewrite a round's decoded updates before they
+    enter the per-update stages (simulated omniscient attackers); the round source calls it
+    once per aggregation with all the updates (None: updates go in one by one).
     """
 
-    def __init__(self, *stages: UpdateStage | Combine | PostStage | ServerOptimizer) -> None:
+    def __init__(self, *stages: UpdateStage | Combine | PostStage | ServerOptimizer,
+                 client_radius: float | None = None,
+                 pre_combine: PreCombine | None = None) -> None:
+        if client_radius is not None and not client_radius > 0:
+            raise ValueError(f"client_radius must be > 0, got {client_radius}")
+        self.client_radius = client_radius
+        self.pre_combine = pre_combine
+        self.center: np.ndarray | None = None  # the last applied aggregate, when kept
         self.update_stages: list[UpdateStage] = []
         self.post_stages: list[PostStage] = []
         combines = [s for s in stages if isinstance(s, Combine)]
@@ -70,6 +92,19 @@ class Pipeline:
                 raise TypeError(f"not a pipeline stage: {stage!r}")
 
     @property
+    def keeps_center(self) -> bool:
+        """Whether the last applied aggregate is kept (as the next round's centre)."""
+        return self.client_radius is not None or self.combine.needs_center
+
+    def client_center(self, dim: int) -> tuple[np.ndarray, float] | None:
+        """The centre and radius clients clip their update around (0 before any aggregate),
+        or None when clients do not clip."""
+        if self.client_radius is None:
+            return None
+        center = self.center if self.center is not None else np.zeros(dim, dtype=np.float32)
+        return center, self.client_radius
+
+    @property
     def linear(self) -> bool:
         """True when the combine is a weighted sum/mean (secure aggregation and rings need it)."""
         return self.combine.linear
@@ -85,6 +120,8 @@ class Pipeline:
             return params
         for stage in self.post_stages:
             aggregate = stage.apply(aggregate, total_weight, count)
+        if self.keeps_center:
+            self.center = np.array(aggregate, dtype=np.float32)  # a copy
         return self.server_opt.step(params, aggregate)
 
     def state_dict(self) -> dict[str, Any]:
@@ -92,9 +129,13 @@ class Pipeline:
         state: dict[str, Any] = {"server_opt": self.server_opt.state_dict()}
         for i, stage in enumerate(self.post_stages):
             state[f"post{i}"] = stage.state_dict()
+        if self.center is not None:
+            state["center"] = self.center.copy()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        center = state.get("center")
+        self.center = None if center is None else np.array(center, dtype=np.float32)
         self.server_opt.load_state_dict(state.get("server_opt", {}))
         for i, stage in enumerate(self.post_stages):
             stage.load_state_dict(state.get(f"post{i}", {}))
@@ -125,6 +166,7 @@ class RoundAggregation:
         # Each round accumulates in its own combine, so rounds open at once stay apart.
         self.combine = copy.copy(pipeline.combine)
         self.combine.start(dim)
+        self.combine.begin(version=version, center=pipeline.center)
         self._add = self.combine.add
         self._lean = _lean_plan(pipeline.update_stages, self.combine, dim, version)
 

@@ -407,16 +407,26 @@ _FACTORIES: dict[str, tuple[type[RobustCombine], tuple[str, ...], tuple[str, ...
     "multikrum": (MultiKrum, ("f",), ("m",)),
     "bulyan": (Bulyan, ("f",), ("selection",)),
 }
-ROBUST_KINDS: tuple[str, ...] = tuple(_FACTORIES)
+ROBUST_KINDS: tuple[str, ...] = (*_FACTORIES, "centered_clip", "geometric_median")
+
+
+def _factory(kind: str) -> tuple[type[RobustCombine], tuple[str, ...], tuple[str, ...]]:
+    if kind in _FACTORIES:
+        return _FACTORIES[kind]
+    from aggregation.centered import CenteredClip, GeometricMedian  # (it imports this module)
+
+    return {"centered_clip": (CenteredClip, (), ("radius", "iterations", "f")),
+            "geometric_median": (GeometricMedian, (), ("nu", "iterations", "f"))}[kind]
 
 
 def make_robust_combine(kind: str, **params: Any) -> RobustCombine:
     """Build a robust combine by name: median, trimmed_mean(beta), krum(f),
-    multikrum(f, m=None), bulyan(f, selection="iterated")."""
-    if kind not in _FACTORIES:
+    multikrum(f, m=None), bulyan(f, selection="iterated"), centered_clip(radius=0,
+    iterations=3, f=0), geometric_median(nu=1e-6, iterations=8, f=0)."""
+    if kind not in ROBUST_KINDS:
         raise ValueError(f"unknown robust combine '{kind}'; choose one of: "
                          f"{', '.join(ROBUST_KINDS)}")
-    cls, required, optional = _FACTORIES[kind]
+    cls, required, optional = _factory(kind)
     unknown = sorted(set(params) - set(required) - set(optional))
     if unknown:
         allowed = ", ".join(required + optional) or "none"

@@ -7,17 +7,35 @@ store). 4 of the 20 clients (20%, drawn from the seed) attack:
 - sign_flip: they send -delta;
 - scale: they send 10 * delta;
 - gaussian_noise: they send N(0, 1) noise instead of their delta;
-- label_flip: they train on labels y -> 9 - y.
+- label_flip: they train on labels y -> 9 - y;
+- alie (Baruch et al. 2019): mean - z_max * std of the round's honest updates, z_max from
+  n = 20 and m = 4 (0.385);
+- ipm (Xie et al. 2020): -0.1 times the mean of the round's honest updates.
 
 Each attack, and a run without attackers, is aggregated with FedAvg (``mean``),
-coordinate-wise ``median``, ``trimmed_mean`` (beta 0.2), ``krum`` and ``bulyan`` (both
-with f = 4, the number of attackers). Partitions are IID (the robust combines' setting)
-and Dirichlet(0.5) label skew (fedring's default, where Krum-style selection suffers even
-without attackers). Reported: the final central test accuracy per (partitioner, attack,
-combine), averaged over seeds, every run with the attackers its clients reported, and
-sanity checks; a heatmap goes to docs/robustness.png.
+coordinate-wise ``median``, ``trimmed_mean`` (beta 0.2), ``krum`` and ``bulyan`` (f = 4,
+the number of attackers), the ``geometric_median`` (RFA), ``centered_clip`` alone and with
+``bucketing`` = 2 (the recommended setting), and centered clipping on the clients under
+secure aggregation (``cc_secagg``: SecAgg+, one clipping step around the previous
+aggregate with the radius set to the median update norm of that seed's attack-free FedAvg
+run, the server sums). alie and ipm need every honest update, which no one sees under
+secure aggregation: they do not run there. Partitions are IID and Dirichlet(0.5) label
+skew (fedring's default).
 
-    python benchmarks/robustness.py [--quick] [--seeds N] [--plot PATH]
+Which cells run: ``--full`` runs every partitioner, seed, attack and combine. The default
+plan fits a shared 2-core machine: on Dirichlet(0.5), every seed for FedAvg, the two
+recommended settings (cc_bucketing, cc_secagg) under every attack and every combine
+without attackers, and the other combines under attack on the first seed; on IID, the
+first seed for every cell. ``--quick`` (tests): IID, one seed, 2 rounds of one local
+epoch, four attacks and four combines.
+
+Reported: the final central test accuracy per (partitioner, attack, combine) averaged
+over the seeds run, the seeds behind each cell, a reference (outside quick mode): FedAvg
+over the 16 honest clients alone, the attackers' updates dropped; every run with the
+attackers its clients reported, the targets and sanity checks; a heatmap goes to
+docs/robustness.png.
+
+    python benchmarks/robustness.py [--quick | --full] [--seeds N] [--plot PATH]
 
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
 """
@@ -50,7 +68,10 @@ ATTACKS: dict[str, dict[str, Any]] = {
     "gaussian_noise": {"attack.kind": "gaussian_noise", "attack.noise_std": 1.0,
                        "attack.noise_mode": "replace"},
     "label_flip": {"attack.kind": "label_flip", "attack.label_map": "reverse"},
+    "alie": {"attack.kind": "alie"},
+    "ipm": {"attack.kind": "ipm", "attack.ipm_epsilon": 0.1},
 }
+OMNISCIENT = ("alie", "ipm")
 F = round(FRACTION * CLIENTS)
 COMBINES: dict[str, dict[str, Any]] = {
     "mean": {"aggregation.combine": "mean"},
@@ -58,66 +79,202 @@ COMBINES: dict[str, dict[str, Any]] = {
     "trimmed_mean": {"aggregation.combine": "trimmed_mean", "aggregation.trim_beta": FRACTION},
     "krum": {"aggregation.combine": "krum", "aggregation.f": F},
     "bulyan": {"aggregation.combine": "bulyan", "aggregation.f": F},
+    "geometric_median": {"aggregation.combine": "geometric_median", "aggregation.f": F},
+    "centered_clip": {"aggregation.combine": "centered_clip", "aggregation.f": F},
+    "cc_bucketing": {"aggregation.combine": "centered_clip", "aggregation.bucketing": 2},
+    "cc_secagg": {"aggregation.combine": "centered_clip", "secagg.enabled": True},
 }
 LABELS = {"mean": "FedAvg", "median": "median", "trimmed_mean": "trimmed mean",
-          "krum": "Krum", "bulyan": "Bulyan"}
+          "krum": "Krum", "bulyan": "Bulyan", "geometric_median": "geo. median",
+          "centered_clip": "CC", "cc_bucketing": "CC + bucketing 2",
+          "cc_secagg": "CC on clients\n(secagg)"}
 PARTITIONERS = ("iid", "dirichlet")
+RECOMMENDED = ("mean", "cc_bucketing", "cc_secagg")
+QUICK_ATTACKS = ("none", "sign_flip", "alie", "ipm")
+QUICK_COMBINES = ("mean", "geometric_median", "cc_bucketing", "cc_secagg")
 
 
-def run_one(partitioner: str, attack: str, combine: str, seed: int, quick: bool,
+def applies(attack: str, combine: str) -> bool:
+    """Omniscient attacks need the honest updates, which secure aggregation hides."""
+    return not (attack in OMNISCIENT and combine == "cc_secagg")
+
+
+def plan(quick: bool, full: bool, seeds: list[int]) -> list[tuple[str, int, str, str]]:
+    """The (partitioner, seed, attack, combine) cells to run, in order."""
+    cells: list[tuple[str, int, str, str]] = []
+    if quick:
+        return [("iid", s, a, c) for s in seeds for a in QUICK_ATTACKS for c in QUICK_COMBINES
+                if applies(a, c)]
+    for p in PARTITIONERS:
+        for s in seeds:
+            for a in ATTACKS:
+                for c in COMBINES:
+                    first = s == seeds[0]
+                    keep = full or (first if p == "iid" else
+                                    first or a == "none" or c in RECOMMENDED)
+                    if keep and applies(a, c):
+                        cells.append((p, s, a, c))
+    return cells
+
+
+class Runner:
+    """Runs cells; the attack-free FedAvg run of each (partitioner, seed) first, which
+    sets client-side centered clipping's radius."""
+
+    def __init__(self, quick: bool, folder: str) -> None:
+        self.quick, self.folder = quick, folder
+        self.radius: dict[tuple[str, int], float] = {}
+        self.done: dict[tuple[str, int, str, str], dict[str, Any]] = {}
+
+    def run(self, p: str, seed: int, attack: str, combine: str) -> dict[str, Any]:
+        key = (p, seed, attack, combine)
+        if key in self.done:
+            return self.done[key]
+        values = {**(QUICK_WORKLOAD if self.quick else WORKLOAD), "data.partitioner": p,
+                  **COMBINES[combine], "seed": seed}
+        if combine == "cc_secagg":
+            values["aggregation.clip_radius"] = self.clip_radius(p, seed)
+        if attack != "none":
+            values.update({"attack.fraction": FRACTION, **ATTACKS[attack]})
+        self.done[key] = r = run_one(values, key, self.folder)
+        log(f"  {p:9s} seed {seed} {attack:14s} {combine:16s} accuracy {r['accuracy']:.4f} "
+            f"({r['wall_s']} s)")
+        return r
+
+    def clip_radius(self, p: str, seed: int) -> float:
+        """The median norm of the honest updates of the attack-free FedAvg run: the scale
+        of the honest inputs' distance to a centre, which the paper's radius follows."""
+        if (p, seed) not in self.radius:
+            control = self.run(p, seed, "none", "mean")
+            self.radius[(p, seed)] = control["median_update_norm"]
+        return self.radius[(p, seed)]
+
+
+def run_one(values: dict[str, Any], key: tuple[str, int, str, str],
             folder: str) -> dict[str, Any]:
     """One run; its final accuracy and the attackers recorded in its update metrics."""
     from server.store import Store
     from simulations.attacks import choose_attackers
     from simulations.config import load_scenario
 
-    values = {**(QUICK_WORKLOAD if quick else WORKLOAD), "data.partitioner": partitioner,
-              **COMBINES[combine], "seed": seed}
-    if attack != "none":
-        values.update({"attack.fraction": FRACTION, **ATTACKS[attack]})
+    p, seed, attack, combine = key
     config = load_scenario("default", values=values)
-    db = f"sqlite:///{folder}/{partitioner}-{attack}-{combine}-{seed}.db"
+    db = f"sqlite:///{folder}/{p}-{attack}-{combine}-{seed}.db"
     summary, wall = timed_simulation(config, db)
     with Store(db) as store:
-        reported = sorted({int(u.metrics["fedring.partition-id"])
-                           for _, u in store.updates(summary["run_id"])
-                           if u.metrics.get("attacker")})
+        updates = [u for _, u in store.updates(summary["run_id"])]
+    reported = sorted({int(u.metrics["fedring.partition-id"]) for u in updates
+                       if u.metrics.get("attacker")})
+    norms = [u.norm for u in updates if u.fate == "accepted" and u.norm is not None]
     expected = list(choose_attackers(FRACTION, CLIENTS, seed)) if attack != "none" else []
-    if reported != expected:
+    secure = bool(config["secagg"]["enabled"])
+    if reported != expected and not (secure and not reported):  # secagg: no metrics
         raise RuntimeError(f"{attack}/{combine}: clients {reported} reported attacking, "
                            f"expected {expected}")
-    return {"partitioner": partitioner, "attack": attack, "combine": combine, "seed": seed,
-            "accuracy": round(summary["final_accuracy"], 4), "attackers": reported,
-            "wall_s": round(wall, 2)}
-
-
-def table(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """partitioner -> attack -> combine -> accuracy averaged over seeds."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for p in dict.fromkeys(r["partitioner"] for r in runs):
-        out[p] = {}
-        for a in ATTACKS:
-            out[p][a] = {c: round(statistics.fmean(r["accuracy"] for r in runs
-                                                   if (r["partitioner"], r["attack"],
-                                                       r["combine"]) == (p, a, c)), 4)
-                         for c in COMBINES}
+    out = {"partitioner": p, "attack": attack, "combine": combine, "seed": seed,
+           "accuracy": round(summary["final_accuracy"], 4), "attackers": reported,
+           "wall_s": round(wall, 2)}
+    if norms:
+        out["median_update_norm"] = round(statistics.median(norms), 4)
+    if combine == "cc_secagg":
+        out["clip_radius"] = values["aggregation.clip_radius"]
     return out
 
 
-def sanity(acc: dict[str, dict[str, float]]) -> dict[str, bool]:
-    """What the literature predicts on IID data with 20% attackers."""
+def honest_only(p: str, seed: int, quick: bool, folder: str) -> float:
+    """Reference: FedAvg over the honest clients alone (the sign-flip attackers' updates
+    dropped before the combine), the accuracy a perfect filter would keep; the attackers'
+    own data is lost with them, which costs accuracy under label skew."""
+    from flwr.app import Context, RecordDict
+
+    from server.app import make_server_app
+    from simulations.apps import build_task, client_app, config_from_run_config
+    from simulations.config import load_scenario
+    from simulations.inprocess import InProcessGrid
+
+    values = {**(QUICK_WORKLOAD if quick else WORKLOAD), "data.partitioner": p, "seed": seed,
+              "attack.fraction": FRACTION, **ATTACKS["sign_flip"]}
+    config = load_scenario("default", values=values)
+    result: dict[str, Any] = {}
+
+    def drop(updates: list[Any]) -> list[Any]:
+        return [u for u in updates if not u.metrics.get("attacker")]
+
+    app = make_server_app(build_task, config_from_run_config, config=config,
+                          store_url=f"sqlite:///{folder}/{p}-honest-only-{seed}.db",
+                          on_summary=result.update, pre_combine=lambda _: drop)
+    app(InProcessGrid(client_app, CLIENTS), Context(run_id=1, node_id=0, node_config={},
+                                                    state=RecordDict(), run_config={}))
+    return round(result["final_accuracy"], 4)
+
+
+def table(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """partitioner -> attack -> combine -> accuracy averaged over the seeds run (None: not
+    run), and the seeds behind each cell."""
+    acc: dict[str, Any] = {}
+    seeds: dict[str, Any] = {}
+    for p in dict.fromkeys(r["partitioner"] for r in runs):
+        acc[p], seeds[p] = {}, {}
+        for a in ATTACKS:
+            acc[p][a], seeds[p][a] = {}, {}
+            for c in COMBINES:
+                cell = [r for r in runs if (r["partitioner"], r["attack"], r["combine"])
+                        == (p, a, c)]
+                acc[p][a][c] = round(statistics.fmean(r["accuracy"] for r in cell), 4) \
+                    if cell else None
+                seeds[p][a][c] = sorted(r["seed"] for r in cell)
+    return acc, seeds
+
+
+def targets(acc: dict[str, dict[str, float | None]],
+            reference: float | None = None) -> dict[str, Any]:
+    """The issue's targets on one partitioner's table (Dirichlet(0.5)); ``reference``: the
+    honest-only FedAvg accuracy, for the gaps to it."""
     base = acc["none"]["mean"]
+    if base is None:
+        return {}
+
+    def worst_gap(combine: str) -> float | None:
+        gaps = [base - row[combine] for a, row in acc.items()
+                if a != "none" and row.get(combine) is not None]
+        return round(max(gaps), 4) if gaps else None
+
+    no_attack = {c: round(base - v, 4) for c, v in acc["none"].items()
+                 if c != "mean" and v is not None}
+    cc_b, cc_s = worst_gap("cc_bucketing"), worst_gap("cc_secagg")
     return {
-        "fedavg_collapses_under_scale": acc["scale"]["mean"] < 0.5 * base,
-        "median_holds_under_scale": acc["scale"]["median"] > base - 0.05,
-        "krum_holds_under_scale": acc["scale"]["krum"] > acc["none"]["krum"] - 0.05,
-        "robust_beat_fedavg_under_noise": min(acc["gaussian_noise"][c]
-                                              for c in ("median", "trimmed_mean", "bulyan"))
-        > acc["gaussian_noise"]["mean"],
+        "fedavg_no_attack": base,
+        "cc_bucketing_worst_gap": cc_b,
+        "cc_bucketing_within_0.03": cc_b is not None and cc_b <= 0.03,
+        "cc_secagg_worst_gap": cc_s,
+        "cc_secagg_within_0.05": cc_s is not None and cc_s <= 0.05,
+        "no_attack_loss_vs_fedavg": no_attack,
+        "robust_no_attack_within_0.02": {c: g <= 0.02 for c, g in no_attack.items()},
+        "honest_only_fedavg": reference,
+        "cc_bucketing_worst_gap_to_honest_only": None if reference is None or cc_b is None
+        else round(cc_b - (base - reference), 4),
+        "cc_secagg_worst_gap_to_honest_only": None if reference is None or cc_s is None
+        else round(cc_s - (base - reference), 4),
     }
 
 
-def plot(results: dict[str, dict[str, dict[str, float]]], path: Path, subtitle: str) -> None:
+def sanity(acc: dict[str, dict[str, float | None]]) -> dict[str, bool]:
+    """What the literature predicts on IID data with 20% attackers."""
+    base = acc["none"]["mean"]
+
+    def get(a: str, c: str) -> float:
+        v = acc.get(a, {}).get(c)
+        return float("nan") if v is None else v
+
+    return {
+        "fedavg_collapses_under_scale": get("scale", "mean") < 0.5 * base,
+        "median_holds_under_scale": get("scale", "median") > base - 0.05,
+        "krum_holds_under_scale": get("scale", "krum") > get("none", "krum") - 0.05,
+        "cc_bucketing_holds_under_scale": get("scale", "cc_bucketing") > base - 0.05,
+    }
+
+
+def plot(results: dict[str, Any], path: Path, subtitle: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,17 +282,19 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path, subtitle: 
     import numpy as np
 
     parts = list(results)
-    fig, axes = plt.subplots(1, len(parts), figsize=(4.6 * len(parts) + 1.4, 4.4),
+    fig, axes = plt.subplots(1, len(parts), figsize=(7.2 * len(parts) + 1.4, 5.2),
                              squeeze=False, sharey=True)
     for ax, p in zip(axes[0], parts, strict=True):
-        grid = np.array([[results[p][a][c] for c in COMBINES] for a in ATTACKS])
-        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn")
-        ax.set_xticks(range(len(COMBINES)), [LABELS[c] for c in COMBINES], rotation=30,
-                      ha="right")
+        grid = np.array([[np.nan if results[p][a][c] is None else results[p][a][c]
+                          for c in COMBINES] for a in ATTACKS], dtype=float)
+        image = ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=1, cmap="RdYlGn")
+        ax.set_xticks(range(len(COMBINES)), [LABELS[c] for c in COMBINES], rotation=35,
+                      ha="right", fontsize=8)
         ax.set_yticks(range(len(ATTACKS)), list(ATTACKS))
         for i in range(grid.shape[0]):
             for j in range(grid.shape[1]):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=9)
+                text = "n/a" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}"
+                ax.text(j, i, text, ha="center", va="center", fontsize=8)
         ax.set_title({"iid": "IID partitions", "dirichlet": "Dirichlet(0.5) label skew"}[p],
                      fontsize=10)
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="final test accuracy")
@@ -146,41 +305,48 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path, subtitle: 
 
 
 def main() -> None:
-    args = seeds_args(__doc__, "one seed, IID only, 2 rounds of one local epoch",
-                      "robustness.png")
+    args = seeds_args(__doc__, "one seed, IID only, 2 rounds of one local epoch, four "
+                      "attacks and four combines", "robustness.png",
+                      more=lambda p: p.add_argument("--full", action="store_true",
+                                                    help="every partitioner, seed, attack "
+                                                    "and combine"))
     quick, seeds = args.quick, args.seeds
-    partitioners = ("iid",) if quick else PARTITIONERS
+    cells = plan(quick, args.full, seeds)
     started, load_before = time.perf_counter(), load_average()
-    log(f"robustness: {'quick' if quick else 'full'}, seeds {seeds}, "
-        f"load average {load_before[0]:.2f}")
-    runs = []
+    log(f"robustness: {'quick' if quick else 'full' if args.full else 'default plan'}, "
+        f"seeds {seeds}, {len(cells)} cells, load average {load_before[0]:.2f}")
     with tempfile.TemporaryDirectory() as folder:
-        for p in partitioners:
-            for seed in seeds:
-                for attack in ATTACKS:
-                    for combine in COMBINES:
-                        r = run_one(p, attack, combine, seed, quick, folder)
-                        log(f"  {p:9s} seed {seed} {attack:14s} {combine:12s} "
-                            f"accuracy {r['accuracy']:.4f} ({r['wall_s']} s)")
-                        runs.append(r)
-    results = table(runs)
-    checks = sanity(results["iid"])
+        runner = Runner(quick, folder)
+        runs = [runner.run(*cell) for cell in cells]
+        runs = list(runner.done.values())  # with the controls the radius needed
+        reference = {} if quick else {
+            p: statistics.fmean(honest_only(p, s, quick, folder) for s in seeds)
+            for p in PARTITIONERS}
+    results, cell_seeds = table(runs)
+    reference = {p: round(v, 4) for p, v in reference.items()}
+    log(f"honest-only FedAvg (reference): {reference}")
+    checks = sanity(results["iid"]) if "iid" in results else {}
+    goals = targets(results["dirichlet"], reference.get("dirichlet")) \
+        if "dirichlet" in results else {}
     plot_path = args.plot
     if plot_path is not None:
         plot(results, plot_path, f"final accuracy after {WORKLOAD['federation.rounds']} "
-                                 f"rounds, mean of {len(seeds)} seeds")
+                                 f"rounds, mean over the seeds run")
         log(f"plot: {plot_path}")
+    log(f"targets (Dirichlet 0.5): {goals}")
     log(f"sanity checks (IID): {checks}")
     workload = QUICK_WORKLOAD if quick else WORKLOAD
     summary = {
-        "benchmark": "robustness", "quick": quick, "seeds": seeds,
+        "benchmark": "robustness", "quick": quick, "full": args.full, "seeds": seeds,
         "workload": {"dataset": "digits", "model": "mlp[64]", **workload,
-                     "partitioners": list(partitioners), "attack.fraction": FRACTION,
-                     "attacks": ATTACKS, "combines": COMBINES},
+                     "partitioners": sorted({c[0] for c in cells}),
+                     "attack.fraction": FRACTION, "attacks": ATTACKS, "combines": COMBINES},
         "machine": machine(),
         "loadavg_before": load_before,
         "loadavg_after": load_average(),
-        "results": results, "sanity": checks, "runs": runs,
+        "results": results, "seeds_per_cell": cell_seeds,
+        "honest_only_fedavg": reference, "targets": goals,
+        "sanity": checks, "runs": runs,
         "plot": shown_path(plot_path, ROOT),
         "wall_s": round(time.perf_counter() - started, 1),
     }

@@ -28,12 +28,14 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
+from aggregation.centered import clip_around
 from client import local_state
 from client.compression import reply_record
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
+from client.protocol.train import read_center
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
 from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
@@ -209,9 +211,13 @@ class FedringClient:
         tampered = worker.task.tamper(pid, delta, seed)  # simulated attackers only
         if tampered:
             metrics[ATTACKER_METRIC] = 1
+        center = read_center(config, model.dim)  # client-side centered clipping (secagg)
+        if center is not None:
+            clip_around(delta, *center)
         return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
                            model=model, partition_id=pid,
-                           noised=worker.task.local_dp is not None or tampered)
+                           noised=worker.task.local_dp is not None or tampered
+                           or center is not None)
 
     def train(self, msg: Message, context: Context) -> Message:
         update = self.local_update(msg, context)

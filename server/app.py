@@ -14,6 +14,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from aggregation.pipeline import PreCombine
 from server.audit import make_audit
 from server.clock import Clock
 from server.compression import ReplyCompression
@@ -39,18 +40,22 @@ ClockFactory = Callable[[dict[str, Any]], Clock]
 # An observer of a run built from its resolved config and store URL (e.g. experiment
 # tracking), None when the config asks for none; it may refuse the config before the run.
 ObserverFactory = Callable[[dict[str, Any], str], Reporter | None]
+PreCombineFactory = Callable[[dict[str, Any]], PreCombine | None]
 
 
 def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_url: str,
                reporter: Reporter | None = None, clock: Clock | None = None,
-               resume: str | None = None) -> dict[str, Any]:
+               resume: str | None = None,
+               pre_combine: PreCombine | None = None) -> dict[str, Any]:
     """Run one federated training job over ``grid``; returns the run summary.
 
     With ``resume`` (a run id in the store) the run continues from its last checkpoint.
 
     The ``[driver]`` section picks the round source (sync, FedAsync, FedBuff or
     cross-silo), which ``server.run_loop.RunLoop`` drives; ``clock`` is a simulated clock in
-    simulations, else the wall clock is used.
+    simulations, else the wall clock is used. ``pre_combine`` may rewrite each sync
+    round's updates before they are aggregated (``aggregation.pipeline.Pipeline``; the
+    simulations' omniscient attackers).
     """
     check_rules(config)  # a configuration made by hand is refused before any round too
     scenario = ServerScenario.of(config)  # the typed sections, parsed once
@@ -58,7 +63,9 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     audit = make_audit(scenario, dp)  # None without [audit]: no canary enters the run
     pipeline = scenario.aggregation.build(dp.stages() if dp is not None else ([], []),
                                           staleness=scenario.driver.staleness_config(),
-                                          canaries=audit)
+                                          canaries=audit, seed=scenario.seed,
+                                          secure=scenario.secagg.enabled,
+                                          pre_combine=pre_combine)
     secure = make_secure_settings(scenario)  # None unless [secagg] is enabled
     store = Store(store_url)
     try:
@@ -94,7 +101,8 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
                     reporter: Reporter | None = None,
                     on_summary: Callable[[dict[str, Any]], None] | None = None,
                     clock: ClockFactory | None = None, resume: str | None = None,
-                    observe: ObserverFactory | None = None) -> ServerApp:
+                    observe: ObserverFactory | None = None,
+                    pre_combine: PreCombineFactory | None = None) -> ServerApp:
     """A Flower ServerApp for a fixed ``config``, or one resolved from the run config.
 
     Under ``flwr run`` the run config gives ``scenario`` (a name or TOML path), ``db``
@@ -130,7 +138,8 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
         try:
             summary = run_server(grid, cfg, task=task, store_url=url, resume=resume_id,
                                  reporter=Reporters(shown, observer) if observer else shown,
-                                 clock=clock(cfg) if clock else None)
+                                 clock=clock(cfg) if clock else None,
+                                 pre_combine=pre_combine(cfg) if pre_combine else None)
         except Exception as exc:
             if observer is not None:
                 observer.run_finished({"status": "failed"})

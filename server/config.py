@@ -16,12 +16,15 @@ from aggregation import (
     make_combine,
     make_server_optimizer,
 )
+from aggregation.bucketing import Bucketing
 from aggregation.combine import Combine
+from aggregation.pipeline import PreCombine
 from aggregation.robust import ROBUST_KINDS, RobustCombine, make_robust_combine
 from aggregation.server_opt import SERVER_OPTIMIZERS
 from aggregation.staleness import StalenessFn, staleness_function
 
 LINEAR_COMBINES = ("mean", "sum")
+CLIENT_SIDE_COMBINE = "centered_clip"  # under secagg: each client clips around the centre
 STALENESS_KEYS = ("staleness", "staleness_a", "staleness_b", "max_staleness")
 
 
@@ -154,7 +157,14 @@ class FederationConfig:
 
 @dataclass(frozen=True)
 class AggregationConfig:
-    """The pipeline: validation, weighting, combine and server optimizer."""
+    """The pipeline: validation, weighting, combine and server optimizer.
+
+    ``bucketing`` (0 or 1: off) averages random buckets of that many updates before a
+    robust combine. ``centered_clip`` clips to ``clip_radius`` around the previous
+    aggregate (0: the median distance, in each of ``clip_iterations``); under secure
+    aggregation the clients do it (``client_side``). ``geometric_median`` runs
+    ``gm_iterations`` smoothed Weiszfeld steps with ``gm_nu``.
+    """
 
     combine: str = "mean"
     weight_by: str = "examples"
@@ -170,12 +180,25 @@ class AggregationConfig:
     multikrum_m: int = 0
     bulyan_selection: str = "iterated"
     local_buffers: bool = False  # FedBN: batch norm layers and buffers stay on each client
+    bucketing: int = 0
+    clip_radius: float = 0.0
+    clip_iterations: int = 3
+    gm_nu: float = 1e-6
+    gm_iterations: int = 8
 
     def __post_init__(self) -> None:
         check_choice("aggregation.combine", self.combine, (*LINEAR_COMBINES, *ROBUST_KINDS))
         check_choice("aggregation.server_opt", self.server_opt, SERVER_OPTIMIZERS)
         if self.max_norm < 0:
             raise ValueError("aggregation.max_norm must be >= 0 (0 means no bound)")
+        if self.bucketing < 0:
+            raise ValueError(f"aggregation.bucketing must be >= 0 (the bucket size; 0 or 1: "
+                             f"no bucketing), got {self.bucketing}")
+        if self.bucketing > 1 and self.combine in LINEAR_COMBINES:
+            raise ValueError(f"aggregation.bucketing = {self.bucketing} averages buckets "
+                             f"before a robust combine; the mean of bucket means is the "
+                             f"mean, so with aggregation.combine = '{self.combine}' set "
+                             "aggregation.bucketing = 0")
         self.build()  # surfaces bad combine/weight/optimizer parameters at start
 
     def _optimizer_params(self) -> dict[str, float]:
@@ -186,15 +209,28 @@ class AggregationConfig:
             params.update(beta1=self.beta1, beta2=self.beta2, tau=self.tau)
         return params
 
-    def _combine(self) -> Combine:
+    def _combine(self, seed: int = 0) -> Combine:
         if self.combine in LINEAR_COMBINES:
             return make_combine(self.combine)
         params: dict[str, Any] = {
             "median": {}, "trimmed_mean": {"beta": self.trim_beta}, "krum": {"f": self.f},
             "multikrum": {"f": self.f, "m": self.multikrum_m or None},
             "bulyan": {"f": self.f, "selection": self.bulyan_selection},
+            "centered_clip": {"radius": self.clip_radius, "iterations": self.clip_iterations,
+                              "f": self.f},
+            "geometric_median": {"nu": self.gm_nu, "iterations": self.gm_iterations,
+                                 "f": self.f},
         }[self.combine]
-        return make_robust_combine(self.combine, **params)
+        try:
+            combine = make_robust_combine(self.combine, **params)
+        except ValueError as exc:
+            raise ValueError(f"aggregation.combine = '{self.combine}': {exc}") from None
+        return Bucketing(combine, self.bucketing, seed) if self.bucketing > 1 else combine
+
+    def client_side(self, secure: bool) -> bool:
+        """Whether the clients clip around the centre themselves (centered clipping under
+        secure aggregation, where the server only learns the sum)."""
+        return secure and self.combine == CLIENT_SIDE_COMBINE
 
     def check_clients(self, clients_per_round: int) -> None:
         """Fail at start when a robust combine cannot work with that many updates."""
@@ -204,19 +240,27 @@ class AggregationConfig:
 
     def build(self, dp_stages: tuple[list[UpdateStage], list[PostStage]] = ([], []),
               staleness: StalenessConfig | None = None,
-              canaries: PostStage | None = None) -> Pipeline:
+              canaries: PostStage | None = None, *, seed: int = 0, secure: bool = False,
+              pre_combine: PreCombine | None = None) -> Pipeline:
         """A fresh pipeline for this configuration, with central DP's stages if given
         (``server.dp.DPController.stages``), the staleness weighting and bound of
         ``[driver]``, and the audit's canaries (``server.audit``) right after the combine,
-        before any noise."""
+        before any noise. ``seed``: the run seed (bucketing's draws); ``secure``: secure
+        aggregation is on (centered clipping then runs on the clients, the server takes
+        the mean); ``pre_combine``: see ``Pipeline``."""
         dp_update, dp_post = dp_stages
         staleness = staleness or StalenessConfig()
+        client_side = self.client_side(secure)
+        combine = make_combine("sum") if dp_post else \
+            make_combine("mean") if client_side else self._combine(seed)
         return Pipeline(
             Validate(max_norm=self.max_norm or None, max_staleness=staleness.bound()),
             *dp_update,
             Weight(by=self.weight_by, staleness=staleness.function()),
-            make_combine("sum") if dp_post else self._combine(),
+            combine,
             *([canaries] if canaries is not None else []),
             *dp_post,
             make_server_optimizer(self.server_opt, **self._optimizer_params()),
+            client_radius=self.clip_radius if client_side else None,
+            pre_combine=pre_combine,
         )

@@ -73,11 +73,13 @@ class RunContext:
         self.task_json = json.dumps(task.task_spec(), sort_keys=True)
 
     def train_config(self, server_round: int, compression: str | None = None) -> ConfigRecord:
-        """The config every training message carries: round, model version, task, seed,
-        the compression request and FedBN's flag (``client.protocol.train.train_config``)."""
+        """The config every training message carries: round, model version, task, seed, the
+        compression request, FedBN's flag and, for client-side centered clipping, the centre
+        (``client.protocol.train.train_config``)."""
         return train_config(server_round, self.state.version, self.task_json, self.seed,
                             compression=compression,
-                            local_buffers=self.scenario.aggregation.local_buffers)
+                            local_buffers=self.scenario.aggregation.local_buffers,
+                            center=self.pipeline.client_center(self.layout.dim))
 
     def model_record(self) -> ArrayRecord:
         """The current model as the ``arrays`` record of a training message."""

@@ -19,7 +19,12 @@ from privacy.secagg import max_scale
 from privacy.secagg.quantize import max_level
 from server.audit import AuditConfig
 from server.compression import SECURE_MIN_BITS, compression_config
-from server.config import LINEAR_COMBINES, AggregationConfig, FederationConfig
+from server.config import (
+    CLIENT_SIDE_COMBINE,
+    LINEAR_COMBINES,
+    AggregationConfig,
+    FederationConfig,
+)
 from server.cross_silo_config import CROSS_SILO, SiloConfig
 from server.dp import dp_controller
 from server.driver_config import FEDASYNC_SECAGG, DriverConfig
@@ -130,9 +135,12 @@ def check_dp(config: Mapping[str, Any], dp: DPConfig, fed: FederationConfig) -> 
             raise ValueError(f"{dp.mode} DP bounds each client's effect on the sum by the clip "
                              "norm, which weighting by example count breaks: set "
                              "aggregation.weight_by = 'uniform'")
-        if agg["combine"] not in ("mean", "sum"):
+        client_side = secure and agg["combine"] == CLIENT_SIDE_COMBINE  # a mean on the server
+        if agg["combine"] not in ("mean", "sum") and not client_side:
             raise ValueError(f"{dp.mode} DP noises a sum of clipped updates; "
-                             f"aggregation.combine='{agg['combine']}' is not a sum: use 'mean'")
+                             f"aggregation.combine='{agg['combine']}' is not a sum: use 'mean'"
+                             f" (or, with secagg on, '{CLIENT_SIDE_COMBINE}': the clients "
+                             "clip around the previous aggregate before the DP clip)")
     check_dp_sampling(config, fed)
     dp_controller(dp, fed)  # the accountant refuses unsupported sampling/accountant pairs
 
@@ -230,11 +238,15 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
     if not cfg.enabled:
         return None
     agg = config["aggregation"]
-    if agg["combine"] not in ("mean", "sum"):
+    if agg["combine"] == CLIENT_SIDE_COMBINE:
+        check_client_side_clip(config)
+    elif agg["combine"] not in ("mean", "sum"):
         raise ValueError(f"secagg is on, so the server only ever sees the weighted sum of the "
                          f"updates, never one update: aggregation.combine = "
                          f"'{agg['combine']}' needs each update and cannot run on a sum; use "
-                         "'mean' or 'sum', or turn secagg off")
+                         f"'mean' or 'sum', or '{CLIENT_SIDE_COMBINE}' (each client clips its "
+                         "update around the previous aggregate, the server sums), or turn "
+                         "secagg off")
     if agg.get("max_norm", 0):
         raise ValueError("secagg is on, so the server cannot see an update to check its norm: "
                          "set aggregation.max_norm = 0 (secagg.clip_range bounds each "
@@ -283,6 +295,29 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
                          f"coordinate for {n} clients (fewer than 2^{MIN_LEVEL_BITS}): raise "
                          f"secagg.bits to >= {need}")
     return cfg
+
+
+def check_client_side_clip(config: Mapping[str, Any]) -> None:
+    """Centered clipping under secagg runs on the clients, one step each (a second would
+    need the other clients' updates, so ``clip_iterations`` does not apply): what it
+    needs fails at start."""
+    agg = config["aggregation"]
+    if not agg.get("clip_radius", 0) > 0:
+        raise ValueError(f"aggregation.combine = '{CLIENT_SIDE_COMBINE}' with secagg: each "
+                         "client clips its update around the previous aggregate with a radius "
+                         "the server fixes, because it cannot see the updates' distances "
+                         "the automatic radius is the median of: set aggregation.clip_radius "
+                         "> 0 (e.g. the median distance of the updates to the previous "
+                         "aggregate in a run without secagg)")
+    if agg.get("bucketing", 0) > 1:
+        raise ValueError("aggregation.bucketing averages individual updates, which the server "
+                         "never sees under secagg: set aggregation.bucketing = 0")
+    kind = dict(config.get("driver", {})).get("kind", "sync")
+    if kind != "sync":
+        raise ValueError(f"client-side centered clipping (aggregation.combine = "
+                         f"'{CLIENT_SIDE_COMBINE}' with secagg) runs in sync rounds, each "
+                         f"centred on the last aggregate; driver.kind = '{kind}': set it to "
+                         "'sync'")
 
 
 def check_audit(config: Mapping[str, Any]) -> AuditConfig | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from flwr.app import Message, RecordDict
 
@@ -22,6 +23,9 @@ from server.exchange import push_and_collect_in_order
 from server.replies import decode_train_reply
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss, update_record
 from server.store import UpdateRecord
+
+if TYPE_CHECKING:
+    from aggregation.update import Update
 
 
 class Collector:
@@ -130,9 +134,23 @@ class PlainReplies(Collector):
         agg = ctx.pipeline.open_round(dim=layout.dim, version=state.version)
         records: list[UpdateRecord] = []
         losses: list[tuple[float, float]] = []
+        rewrite = ctx.pipeline.pre_combine  # None: each update goes in as it arrives
+        held: list[Update] = []
+        done = 0
+
+        def submit(update: Update) -> None:
+            verdict = agg.submit(update)
+            if not verdict.accepted:
+                ctx.reporter.message(f"round {rnd}: rejected client {update.client_id}: "
+                                     f"{verdict.reason}")
+            elif "train_loss" in update.metrics:
+                losses.append((update.metrics["train_loss"], float(update.num_examples)))
+            records.append(update_record(verdict, update.metrics))
 
         def consume(reply: Message) -> None:
-            ctx.reporter.client_done(rnd, len(records) + 1, len(cohort))
+            nonlocal done
+            done += 1
+            ctx.reporter.client_done(rnd, done, len(cohort))
             client_id, version, problem = self._settle(reply)
             try:
                 if problem is not None:
@@ -145,15 +163,14 @@ class PlainReplies(Collector):
                 ctx.reporter.message(f"round {rnd}: rejected client {client_id}: {exc}")
                 records.append(update_record(verdict))
                 return
-            verdict = agg.submit(update)
-            if not verdict.accepted:
-                ctx.reporter.message(f"round {rnd}: rejected client {client_id}: "
-                                     f"{verdict.reason}")
-            elif "train_loss" in update.metrics:
-                losses.append((update.metrics["train_loss"], float(update.num_examples)))
-            records.append(update_record(verdict, update.metrics))
+            if rewrite is not None:
+                held.append(update)
+            else:
+                submit(update)
 
         num_replies, missing = self._collect(messages, consume, records)
+        for update in rewrite(held) if rewrite is not None else ():
+            submit(update)
         self._forget_settled()
         note = (f"no update was accepted ({num_replies} replies, {len(missing)} missing)")
         try:

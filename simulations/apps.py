@@ -11,6 +11,7 @@ from typing import Any
 
 from client.app import make_client_app
 from server.app import NODES_KEY, make_server_app
+from simulations.attacks import omniscient_attack
 from simulations.config import load_scenario
 from simulations.module_task import make_task
 from simulations.task import task_spec
@@ -48,5 +49,6 @@ def build_task(config: Mapping[str, Any]) -> Any:
     return task
 
 
-server_app = make_server_app(build_task, config_from_run_config, observe=open_tracking)
+server_app = make_server_app(build_task, config_from_run_config, observe=open_tracking,
+                             pre_combine=omniscient_attack)
 client_app = make_client_app(make_task, spec_from_run_config)

@@ -8,23 +8,40 @@ resumed run sees the same ones. What they do is ``kind``:
 - ``gaussian_noise``: send N(0, noise_std^2) noise instead of the delta
   (``noise_mode = "replace"``) or added to it (``"add"``);
 - ``label_flip``: train honestly on permuted labels (data poisoning): ``label_map =
-  "reverse"`` maps y to num_classes - 1 - y, ``"shift"`` maps y to (y + 1) mod num_classes.
+  "reverse"`` maps y to num_classes - 1 - y, ``"shift"`` maps y to (y + 1) mod num_classes;
+- ``alie`` ("A Little Is Enough", Baruch et al., NeurIPS 2019): every attacker sends
+  ``mean - z_max * std`` of the round's honest updates, per coordinate, with
+  ``z_max = Phi^-1((n - s) / n)`` and ``s = floor(n / 2 + 1) - m`` for ``n`` updates of
+  which ``m`` are the attackers' (``alie_z`` > 0 fixes z instead);
+- ``ipm`` (inner-product manipulation, Xie et al., UAI 2020): every attacker sends
+  ``-ipm_epsilon * mean`` of the round's honest updates.
 
 Attacks exist in simulations only: the scenario task hands them to the ClientApp, which
-applies them to an attacker's delta just before it replies.
+applies them to an attacker's delta just before it replies. ``alie`` and ``ipm`` are
+omniscient: they need the other clients' updates of the round, which no client has, so
+the simulation's ServerApp installs :func:`omniscient_attack` as the pipeline's
+pre-combine hook: it replaces the updates of the clients that report the attacker metric
+with the forged ones, from the honest updates of that round's batch. No one sees
+individual updates under secure aggregation, so these two fail at start there (and with
+drivers other than sync rounds).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-ATTACK_KINDS = ("sign_flip", "scale", "gaussian_noise", "label_flip")
+from aggregation.update import Update
+from client.task import ATTACKER_METRIC
+
+ATTACK_KINDS = ("sign_flip", "scale", "gaussian_noise", "label_flip", "alie", "ipm")
+OMNISCIENT = ("alie", "ipm")  # forged on the server side from the round's honest updates
 NOISE_MODES = ("replace", "add")
 LABEL_MAPS = ("reverse", "shift")
 _STREAM = 0xA77AC  # keeps the attacker draw apart from the run's other seeded draws
@@ -41,6 +58,8 @@ class AttackConfig:
     noise_std: float = 1.0
     noise_mode: str = "replace"
     label_map: str = "reverse"
+    alie_z: float = 0.0
+    ipm_epsilon: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:
@@ -59,6 +78,12 @@ class AttackConfig:
         if self.noise_mode not in NOISE_MODES:
             raise ValueError(f"attack.noise_mode '{self.noise_mode}' is unknown; choose one "
                              f"of: {', '.join(NOISE_MODES)}")
+        if not (math.isfinite(self.alie_z) and self.alie_z >= 0):
+            raise ValueError(f"attack.alie_z must be >= 0 (0: Baruch et al.'s z_max from the "
+                             f"number of clients and attackers), got {self.alie_z}")
+        if not (math.isfinite(self.ipm_epsilon) and self.ipm_epsilon > 0):
+            raise ValueError(f"attack.ipm_epsilon must be > 0 (ipm sends -epsilon times the "
+                             f"honest mean), got {self.ipm_epsilon}")
         if self.label_map not in LABEL_MAPS:
             raise ValueError(f"attack.label_map '{self.label_map}' is unknown; choose one "
                              f"of: {', '.join(LABEL_MAPS)}")
@@ -80,12 +105,72 @@ def choose_attackers(fraction: float, clients: int, seed: int) -> tuple[int, ...
 
 
 def check_attack(config: Mapping[str, Any]) -> None:
-    """Fail at start when ``attack.fraction`` selects no client at all."""
+    """Fail at start when ``attack.fraction`` selects no client at all, or an omniscient
+    attack is set where no one sees the round's individual updates."""
     attack = AttackConfig(**config["attack"])
     clients = int(config["federation"]["clients"])
     if attack.enabled and attack.num_attackers(clients) == 0:
         raise ValueError(f"attack.fraction {attack.fraction} of {clients} clients selects no "
                          f"attacker: raise it to at least {1 / clients:.3g} or set it to 0")
+    if not attack.enabled or attack.kind not in OMNISCIENT:
+        return
+    if config.get("secagg", {}).get("enabled"):
+        raise ValueError(f"attack.kind = '{attack.kind}' forges updates from the other "
+                         "clients' updates of the round, which no one sees under secure "
+                         "aggregation: turn secagg off or pick another attack.kind")
+    driver = dict(config.get("driver", {}))
+    if driver.get("kind", "sync") != "sync" or driver.get("late_policy", "drop") != "drop":
+        raise ValueError(f"attack.kind = '{attack.kind}' forges updates from a synchronous "
+                         "round's batch of honest updates: set driver.kind = 'sync' and "
+                         "driver.late_policy = 'drop'")
+
+
+def alie_z_max(n: int, m: int) -> float:
+    """Baruch et al.'s z_max for ``m`` attackers among ``n``: the largest z with
+    Phi(z) < (n - s) / n, where ``s = floor(n / 2 + 1) - m`` honest "supporters" are needed
+    for a majority."""
+    s = math.floor(n / 2 + 1) - m
+    return statistics.NormalDist().inv_cdf((n - s) / n)
+
+
+def alie(honest: np.ndarray, z: float) -> np.ndarray:
+    """``mean - z * std`` per coordinate of the rows of ``honest`` (the sample standard
+    deviation, ddof 1, as the bucketing paper's code; 0 for a single row)."""
+    mean = honest.mean(axis=0, dtype=np.float64)
+    std = honest.std(axis=0, ddof=1, dtype=np.float64) if honest.shape[0] > 1 else 0.0
+    return (mean - z * std).astype(np.float32)
+
+
+def ipm(honest: np.ndarray, epsilon: float) -> np.ndarray:
+    """``-epsilon * mean`` of the rows of ``honest``."""
+    return (-epsilon * honest.mean(axis=0, dtype=np.float64)).astype(np.float32)
+
+
+def omniscient_attack(config: Mapping[str, Any]) -> Callable[[list[Update]], list[Update]] | None:
+    """The pre-combine hook of an ``alie`` or ``ipm`` run (None for other attacks): each
+    update whose metrics carry the attacker metric is replaced by the forged update,
+    computed from the round's other (honest) updates; nothing changes without any."""
+    attack = AttackConfig(**config.get("attack", {}))
+    if not attack.enabled or attack.kind not in OMNISCIENT:
+        return None
+
+    def forge(updates: list[Update]) -> list[Update]:
+        bad = [i for i, u in enumerate(updates) if u.metrics.get(ATTACKER_METRIC)]
+        honest = [u.delta for u in updates if not u.metrics.get(ATTACKER_METRIC)]
+        if not bad or not honest:
+            return updates
+        x = np.stack(honest)
+        if attack.kind == "ipm":
+            forged = ipm(x, attack.ipm_epsilon)
+        else:
+            z = attack.alie_z or alie_z_max(len(updates), len(bad))
+            forged = alie(x, z)
+        out = list(updates)
+        for i in bad:
+            out[i] = replace(updates[i], delta=forged.copy())
+        return out
+
+    return forge
 
 
 # -- the transforms, each against its definition ------------------------------------------
@@ -157,4 +242,6 @@ class Attack:
             scale(delta, c.scale)
         elif c.kind == "gaussian_noise":
             gaussian_noise(delta, c.noise_std, np.random.default_rng(seed), c.noise_mode)
-        return True  # label_flip poisoned the labels, not the delta
+        # label_flip poisoned the labels, not the delta; alie and ipm are forged by the
+        # server-side hook (omniscient_attack) from the round's honest updates
+        return True

@@ -55,6 +55,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         config_from_run_config,
         spec_from_run_config,
     )
+    from simulations.attacks import omniscient_attack
     from simulations.heterogeneity import make_clock
     from simulations.tracking import TrackingConfig, open_tracking
 
@@ -69,7 +70,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     server_app = make_server_app(build_task, config_from_run_config, config=config,
                                  store_url=db, reporter=reporter, on_summary=result.update,
                                  resume=resume, clock=None if cross_silo else make_clock,
-                                 observe=open_tracking)
+                                 observe=open_tracking, pre_combine=omniscient_attack)
     clients = config["federation"]["clients"]
     if engine == "inprocess":
         from simulations.inprocess import InProcessGrid

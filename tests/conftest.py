@@ -13,6 +13,7 @@ from flwr.clientapp import ClientApp
 from server.app import make_server_app
 from server.store import Store
 from simulations.apps import build_task, client_app, config_from_run_config
+from simulations.attacks import omniscient_attack
 from simulations.heterogeneity import make_clock
 from simulations.inprocess import InProcessGrid
 
@@ -53,7 +54,8 @@ def run_inprocess(db_url: str) -> RunInProcess:
 
         server_app = make_server_app(task_builder, config_from_run_config, config=config,
                                      store_url=db_url, on_summary=result.update,
-                                     clock=make_clock if simulated else None)
+                                     clock=make_clock if simulated else None,
+                                     pre_combine=omniscient_attack)
         grid = grid or InProcessGrid(app or client_app, config["federation"]["clients"])
         server_app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                  run_config={}))

@@ -35,6 +35,8 @@ class ConfigKey(Names):
     SEED = "fedring.seed"  # the run seed
     COMPRESSION = "fedring.compression"  # JSON of [compression] and "run" (compression.py)
     LOCAL_BUFFERS = "fedring.local-buffers"  # True: FedBN, batch norm stays on each client
+    CENTER = "fedring.center"  # client-side centered clipping: the centre, float32 LE bytes
+    CLIP_RADIUS = "fedring.clip-radius"  # and the radius to clip to around it (train.py)
 
 
 class MetricKey(Names):

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 from flwr.app import ConfigRecord
 
+from client.protocol.errors import WireError
 from client.protocol.keys import REPLY_DELTA, ConfigKey
 
 
 def train_config(server_round: int, version: int, task_json: str, seed: int, *,
-                 compression: str | None = None, local_buffers: bool = False) -> ConfigRecord:
+                 compression: str | None = None, local_buffers: bool = False,
+                 center: tuple[np.ndarray, float] | None = None) -> ConfigRecord:
     """The train config asking for a delta: the round, the model version sent, the task's
     JSON, the run seed, for compressed uploads the request's JSON
-    (``CompressionRequest.to_json``) and, with FedBN, ``local_buffers``."""
+    (``CompressionRequest.to_json``), with FedBN ``local_buffers``; ``center``: the centre
+    and radius each client clips its delta around before it replies (client-side centered
+    clipping)."""
     config = ConfigRecord({ConfigKey.SERVER_ROUND: server_round, ConfigKey.VERSION: version,
                            ConfigKey.REPLY: REPLY_DELTA, ConfigKey.TASK: task_json,
                            ConfigKey.SEED: seed})
@@ -19,4 +26,27 @@ def train_config(server_round: int, version: int, task_json: str, seed: int, *,
         config[ConfigKey.COMPRESSION] = compression
     if local_buffers:
         config[ConfigKey.LOCAL_BUFFERS] = True
+    if center is not None:
+        vector, radius = center
+        config[ConfigKey.CENTER] = np.asarray(vector, dtype="<f4").tobytes()
+        config[ConfigKey.CLIP_RADIUS] = float(radius)
     return config
+
+
+def read_center(config: ConfigRecord, dim: int) -> tuple[np.ndarray, float] | None:
+    """The centre and radius of a train config (None when it asks for no clipping);
+    WireError when they are malformed."""
+    raw, radius = config.get(ConfigKey.CENTER), config.get(ConfigKey.CLIP_RADIUS)
+    if raw is None and radius is None:
+        return None
+    if not isinstance(raw, bytes) or len(raw) != 4 * dim:
+        raise WireError(f"config '{ConfigKey.CENTER}' must be {4 * dim} bytes (the centre, "
+                        f"float32), got {type(raw).__name__} of {len(raw or b'')} bytes")
+    if isinstance(radius, bool) or not isinstance(radius, int | float) or \
+            not (math.isfinite(radius) and radius > 0):
+        raise WireError(f"config '{ConfigKey.CLIP_RADIUS}' must be a number > 0, got "
+                        f"{radius!r}")
+    center = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.all(np.isfinite(center)):
+        raise WireError(f"config '{ConfigKey.CENTER}' has NaN or Inf values")
+    return center, float(radius)

@@ -149,7 +149,8 @@ def test_bad_parameters(bad):
 # --- factory --------------------------------------------------------------------------
 
 def test_factory():
-    assert ROBUST_KINDS == ("median", "trimmed_mean", "krum", "multikrum", "bulyan")
+    assert ROBUST_KINDS == ("median", "trimmed_mean", "krum", "multikrum", "bulyan",
+                            "centered_clip", "geometric_median")
     assert isinstance(make_robust_combine("median"), CoordinateMedian)
     assert make_robust_combine("trimmed_mean", beta=0.1).beta == 0.1
     assert make_robust_combine("krum", f=2.0).f == 2  # integral floats from config files

@@ -1,0 +1,58 @@
+"""A centered-clipping run resumed from its checkpoint clips around the same centre and
+ends where an uninterrupted run does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from server.app import make_server_app
+from server.store import Store
+from simulations.apps import build_task, client_app, config_from_run_config
+from simulations.attacks import omniscient_attack
+from simulations.cli import run_simulation
+from simulations.config import load_scenario
+from simulations.inprocess import InProcessGrid
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_restores_the_centre(tmp_path):
+    cfg = load_scenario("default", [
+        "federation.clients=6", "federation.rounds=3", "train.local_epochs=1",
+        "aggregation.combine=centered_clip", "aggregation.bucketing=2",
+        "federation.checkpoint_every=1", "attack.fraction=0.34", "attack.kind=scale"])
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    clean = run_simulation(cfg, engine="inprocess", db=db)
+
+    def crashing_task(config):  # evaluations: round 0, 1, 2, then round 3 fails
+        task = build_task(config)
+        evaluate, calls = task.evaluate, []
+
+        def failing(params):
+            calls.append(1)
+            if len(calls) == 4:
+                raise Crash
+            return evaluate(params)
+
+        task.evaluate = failing
+        return task
+
+    app = make_server_app(crashing_task, config_from_run_config, config=cfg, store_url=db,
+                          pre_combine=omniscient_attack)
+    with pytest.raises(Crash):
+        app(InProcessGrid(client_app, 6), Context(run_id=1, node_id=0, node_config={},
+                                                  state=RecordDict(), run_config={}))
+    with Store(db) as store:
+        crashed = next(r.run_id for r in store.list_runs() if r.run_id != clean["run_id"])
+        ckpt = store.load_checkpoint(crashed)
+        assert ckpt.round == 2 and "center" in ckpt.state["pipeline"]
+    resumed = run_simulation(cfg, engine="inprocess", db=db, resume=crashed)
+    assert resumed["rounds"] == 3 and resumed["versions"] == 3
+    with Store(db) as store:
+        a, b = store.load_checkpoint(clean["run_id"]), store.load_checkpoint(crashed)
+    np.testing.assert_array_equal(a.params, b.params)
+    np.testing.assert_array_equal(a.state["pipeline"]["center"], b.state["pipeline"]["center"])
