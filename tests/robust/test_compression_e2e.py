@@ -102,7 +102,8 @@ def test_cli_json_line_and_report_show_bytes(tmp_path, capsys, monkeypatch):
     with Store(db) as store:
         rows = round_table(store.rounds(summary["run_id"]))
     assert [row.get("bytes_up") for row in rows] == [None, 4 * per_reply, 4 * per_reply]
-    assert cli.main(["report", summary["run_id"], "--db", db, "--out", str(tmp_path)]) == 0
+    assert cli.main(["report", summary["run_id"], "--db", db, "--out", str(tmp_path),
+                     "--wide"]) == 0
     table = capsys.readouterr().out
     assert "bytes_up" in table and f" {4 * per_reply} " in table
 

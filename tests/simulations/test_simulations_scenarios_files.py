@@ -87,7 +87,7 @@ def test_shakespeare_scenario_runs_from_the_cli_entry(tmp_path, one_thread):
 def test_shakespeare_natural_partition_needs_as_many_clients_as_users(tmp_path):
     folder = write_leaf_set(tmp_path, "shakespeare", users=4)
     config = shakespeare_config(folder, **{"data.options.max_users": 3})
-    with pytest.raises(ValueError, match="natural partition has 3 groups but num_clients=4"):
+    with pytest.raises(ValueError, match="the data has 3 groups but 4 clients were asked for"):
         build_task(config)
 
 
