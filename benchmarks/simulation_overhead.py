@@ -35,8 +35,15 @@ difference is reported as a check.
 Cold start: wall time from spawning a fresh interpreter to the end of round 1, for (a)
 and for (b) through ``run_simulation``, alternated, median.
 
+pfl-research's workload (``pfl_workload.py``): a pfl-style bare loop, fedring (also with
+vectorized cohorts) and, given ``--pfl-python`` (an interpreter with ``pfl[pytorch]``),
+pfl 0.6 itself, alternated ``--pfl-reps`` times, each as a ratio to the bare loop of the
+same repetition; without ``--pfl-python`` pfl is skipped with a note.
+
     python benchmarks/simulation_overhead.py [--quick] [--reps R] [--no-flower]
                                              [--sizes 10x10k,100x1m] [--no-cold]
+                                             [--pfl-python PATH] [--pfl-reps 3]
+                                             [--pfl-workload-only | --no-pfl-workload]
 
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
 """
@@ -57,6 +64,8 @@ from typing import Any
 
 from harness import log
 from machine_info import load_average, machine
+from pfl_workload import compare as pfl_compare
+from pfl_workload import pfl_targets
 
 SMALL, LARGE = [128], [1024, 1024]  # 9,610 and 1,126,410 parameters on digits
 HIDDEN = {"10k": SMALL, "1m": LARGE}
@@ -462,6 +471,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads here and in the cold starts (Ray actors get 1 "
                              "each); 1 keeps a shared machine's noise down")
+    parser.add_argument("--pfl-python", default=None,
+                        help="interpreter with pfl[pytorch]==0.6.0 (its own venv) to run pfl "
+                             "on its workload; without it pfl is skipped")
+    parser.add_argument("--pfl-reps", type=int, default=None,
+                        help="alternations of the pfl workload's systems (default 3, quick 1)")
+    parser.add_argument("--pfl-workload-only", action="store_true",
+                        help="only the pfl workload (no fedring-sizes table, no cold start)")
+    parser.add_argument("--no-pfl-workload", action="store_true",
+                        help="skip the pfl workload")
     parser.add_argument("--cold-child", choices=("bare", "fedring"), help=argparse.SUPPRESS)
     parser.add_argument("--cold-clients", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--cold-hidden", default="[128]", help=argparse.SUPPRESS)
@@ -482,6 +500,19 @@ def main() -> None:
     with_flower = not (quick or args.no_flower)
     log(f"simulation_overhead: {'quick' if quick else 'full'}, {rounds} rounds (first is "
         f"warm-up), {reps} fedring run(s) per size; load average {load_before[0]:.2f}")
+    pfl_rows = []
+    if not args.no_pfl_workload:
+        if args.pfl_python is None:
+            log("pfl workload: pfl skipped (give --pfl-python, an interpreter with "
+                "pfl[pytorch]==0.6.0)")
+        pfl_reps = args.pfl_reps or (1 if quick else 3)
+        for size in (["10k"] if quick else ["10k", "1m"]):
+            pfl_rows.append(pfl_compare(size, clients=10 if quick else 100,
+                                        rounds=3 if quick else 5, reps=pfl_reps,
+                                        pfl_python=args.pfl_python, threads=args.threads,
+                                        vectorized=False))
+    if args.pfl_workload_only:
+        sizes, args.no_cold = [], True
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for clients, hidden in sizes:
@@ -509,10 +540,12 @@ def main() -> None:
         "loadavg_after": load_average(),
         "results": results,
         "cold_start": cold,
-        "targets": targets(results, cold),
+        "pfl_workload": {"pfl": args.pfl_python is not None, "rows": pfl_rows,
+                         "targets": pfl_targets(pfl_rows)},
+        "targets": targets(results, cold) if results else {},
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    for name, t in summary["targets"].items():
+    for name, t in {**summary["targets"], **summary["pfl_workload"]["targets"]}.items():
         log(f"target {name}: {'not measured' if t['met'] is None else t['met']}")
     print(json.dumps(summary), flush=True)
 
