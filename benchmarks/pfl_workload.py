@@ -14,11 +14,17 @@ rounds (the first round of a run is dropped), evaluation included:
 - fedring: ``run_simulation`` on the in-process engine with the scenario's defaults
   (SQLite store, a checkpoint every round), timed from one ``round_finished`` to the next;
   ``fedring_vectorized`` is the same with ``[engine] vectorize = true``.
+- fedring_baseline (given ``--fedring-baseline PATH``, a checkout of an earlier fedring,
+  e.g. ``git worktree add /tmp/before <commit>``): the same fedring run, in a child
+  process importing that checkout: the before/after of a change in one run.
 - pfl: ``benchmarks/pfl_runner.py`` in the interpreter given (pfl's own venv), on the same
   partitions, test set and initial weights.
 
 The systems run one after the other, ``reps`` times, and every figure is a ratio to the
-bare loop of the same repetition, so a machine whose load drifts weighs on both.
+bare loop of the same repetition, so a machine whose load drifts weighs on both. Each
+round is timed twice: wall time (the workload's measure) and the process's CPU time
+(all its threads: fedring's store writer included), which a machine shared with other
+work disturbs far less; every process runs torch on one thread.
 """
 
 from __future__ import annotations
@@ -53,9 +59,31 @@ def scenario(clients: int, hidden: list[int], rounds: int,
                                             "federation.rounds": rounds, **(extra or {})})
 
 
+Rounds = tuple[list[float], list[float]]  # wall and CPU seconds of each round
+
+
 def warm_median(round_s: list[float]) -> float:
     warm = round_s[1:] or round_s
     return statistics.median(warm) if warm else math.nan
+
+
+class Clock:
+    """Wall and CPU time between successive marks."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._last: tuple[float, float] | None = None
+
+    def mark(self) -> None:
+        now = (time.perf_counter(), time.process_time())
+        if self._last is not None:
+            self.wall.append(now[0] - self._last[0])
+            self.cpu.append(now[1] - self._last[1])
+        self._last = now
+
+    def rounds(self) -> Rounds:
+        return self.wall, self.cpu
 
 
 class PflStyleBare:
@@ -80,17 +108,17 @@ class PflStyleBare:
         ds = self.task.dataset
         self.test = (torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
 
-    def run(self, rounds: int) -> list[float]:
-        """Seconds of each round, central evaluation included."""
+    def run(self, rounds: int) -> Rounds:
+        """Wall and CPU seconds of each round, central evaluation included."""
         from torch.nn import functional as F
 
         from client.training import evaluate
 
         torch, module, opt = self._torch, self.model.module, self.opt
         batch = self.task.train_config.batch_size
-        times = []
+        clock = Clock()
+        clock.mark()
         for rnd in range(1, rounds + 1):
-            t0 = time.perf_counter()
             self.acc.zero_()
             total = 0
             module.train()
@@ -111,25 +139,24 @@ class PflStyleBare:
                 self.global_w.add_(self.acc, alpha=1.0 / total)
                 self.flat.copy_(self.global_w)
             evaluate(module, *self.test)
-            times.append(time.perf_counter() - t0)
-        return times
+            clock.mark()
+        return clock.rounds()
 
 
-def run_fedring(config: dict[str, Any], folder: str) -> tuple[list[float], Any]:
-    """Round wall times of ``run_simulation`` (in-process) and the final model."""
+def run_fedring(config: dict[str, Any], folder: str) -> tuple[Rounds, Any]:
+    """Round times of ``run_simulation`` (in-process) and the final model."""
     from server.reporter import Reporter
     from simulations.cli import run_simulation
     from simulations.task import ScenarioTask
 
-    class Marks(Reporter):
-        def __init__(self) -> None:
-            self.marks: list[float] = []
+    clock = Clock()
 
+    class Marks(Reporter):
         def run_started(self, run_id: str, config: dict[str, Any]) -> None:
-            self.marks.append(time.perf_counter())  # after the round-0 evaluation
+            clock.mark()  # after the round-0 evaluation
 
         def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
-            self.marks.append(time.perf_counter())
+            clock.mark()
 
     last: list[Any] = []
     evaluate = ScenarioTask.evaluate
@@ -145,7 +172,21 @@ def run_fedring(config: dict[str, Any], folder: str) -> tuple[list[float], Any]:
         run_simulation(config, engine="inprocess", db=url, reporter=rep)
     finally:
         ScenarioTask.evaluate = evaluate  # type: ignore[method-assign]
-    return [b - a for a, b in zip(rep.marks[:-1], rep.marks[1:], strict=True)], last[0]
+    return clock.rounds(), last[0]
+
+
+def run_fedring_baseline(config: dict[str, Any], tree: str, folder: str) -> Rounds:
+    """``run_fedring`` in a child process that imports fedring from ``tree``."""
+    path = os.path.join(folder, "config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, __file__, "--fedring-child", path, folder],
+                         capture_output=True, text=True, env=env, cwd=tree)
+    if out.returncode != 0:
+        raise RuntimeError(f"the baseline fedring failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["round_s"], got["round_cpu_s"]
 
 
 def write_workload(config: dict[str, Any], path: str) -> None:
@@ -167,7 +208,7 @@ def write_workload(config: dict[str, Any], path: str) -> None:
 
 
 def run_pfl(python: str, workload: str, hidden: list[int], rounds: int,
-            threads: int) -> list[float]:
+            threads: int) -> Rounds:
     cmd = [python, str(RUNNER), workload, "--rounds", str(rounds), "--hidden",
            *map(str, hidden), "--lr", str(WORKLOAD["train.lr"]),
            "--batch", str(WORKLOAD["train.batch_size"]), "--threads", str(threads)]
@@ -175,11 +216,12 @@ def run_pfl(python: str, workload: str, hidden: list[int], rounds: int,
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"pfl's runner failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["round_s"]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["round_s"], got["round_cpu_s"]
 
 
 def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str | None,
-            threads: int, vectorized: bool) -> dict[str, Any]:
+            threads: int, vectorized: bool, baseline: str | None = None) -> dict[str, Any]:
     """One size: each system's median warm round per repetition and its ratio to bare."""
     import numpy as np
 
@@ -195,50 +237,87 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
             write_workload(config, workload)
         for _ in range(reps):
             row: dict[str, float] = {}
+
+            def put(system: str, rounds_: Rounds, row: dict[str, float] = row) -> None:
+                row[f"{system}_s"] = warm_median(rounds_[0])
+                row[f"{system}_cpu_s"] = warm_median(rounds_[1])
+
             bare = PflStyleBare(config)
-            row["bare_s"] = warm_median(bare.run(rounds))
+            put("bare", bare.run(rounds))
             times, final = run_fedring(config, folder)
-            row["fedring_s"] = warm_median(times)
+            put("fedring", times)
             diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
-            if vectorized:
+            if baseline:
+                put("fedring_baseline", run_fedring_baseline(config, baseline, folder))
+            if vec_config is not None:
                 times, final = run_fedring(vec_config, folder)
-                row["fedring_vectorized_s"] = warm_median(times)
+                put("fedring_vectorized", times)
                 diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
             if pfl_python:
-                row["pfl_s"] = warm_median(run_pfl(pfl_python, workload, hidden, rounds,
-                                                   threads))
+                put("pfl", run_pfl(pfl_python, workload, hidden, rounds, threads))
             per_rep.append(row)
     dim = int(bare.flat.numel())
-    systems = [k[:-2] for k in per_rep[0] if k != "bare_s"]
+    systems = [k[:-2] for k in per_rep[0] if k.endswith("_s") and not k.endswith("cpu_s")
+               and k != "bare_s"]
     ratios = {s: [r[f"{s}_s"] / r["bare_s"] for r in per_rep] for s in systems}
+    cpu_ratios = {s: [r[f"{s}_cpu_s"] / r["bare_cpu_s"] for r in per_rep] for s in systems}
+
+    def summary(xs: dict[str, list[float]]) -> dict[str, Any]:
+        return {"per_rep": {s: [float(f"{x:.3g}") for x in v] for s, v in xs.items()},
+                "median": {s: float(f"{statistics.median(v):.3g}") for s, v in xs.items()}}
+
     result: dict[str, Any] = {
         "size": size, "clients": clients, "hidden": hidden, "params": dim, "rounds": rounds,
         "reps": reps, "per_rep_s": [{k: float(f"{v:.4g}") for k, v in r.items()} for r in per_rep],
-        "ratio_to_bare": {s: [float(f"{x:.3g}") for x in xs] for s, xs in ratios.items()},
-        "ratio_to_bare_median": {s: float(f"{statistics.median(xs):.3g}")
-                                 for s, xs in ratios.items()},
+        "wall_ratio_to_bare": summary(ratios), "cpu_ratio_to_bare": summary(cpu_ratios),
         "fedring_vs_bare_max_abs_diff": float(f"{max(diffs):.3g}"),
     }
-    shown = ", ".join(f"{s} {min(xs):.2f}-{max(xs):.2f}x" for s, xs in ratios.items())
+
+    def shown(xs: dict[str, list[float]]) -> str:
+        return ", ".join(f"{s} {min(v):.2f}-{max(v):.2f}x" for s, v in xs.items())
+
     log(f"pfl workload N={clients} d={dim:,}: bare "
-        f"{statistics.median(r['bare_s'] for r in per_rep) * 1e3:.1f} ms/round; {shown}; "
-        f"fedring vs bare max |diff| {result['fedring_vs_bare_max_abs_diff']}")
+        f"{statistics.median(r['bare_s'] for r in per_rep) * 1e3:.1f} ms/round (CPU "
+        f"{statistics.median(r['bare_cpu_s'] for r in per_rep) * 1e3:.1f}); wall: "
+        f"{shown(ratios)}; CPU: {shown(cpu_ratios)}; fedring vs bare max |diff| "
+        f"{result['fedring_vs_bare_max_abs_diff']}")
     return result
 
 
 def pfl_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """fedring's ratio targets, by the median over repetitions (None: size not run)."""
+    """fedring's ratio targets, by the median over repetitions of the wall-time ratio and
+    of the CPU-time ratio (None: size not run)."""
     out: dict[str, Any] = {}
-    by_size = {r["size"]: r["ratio_to_bare_median"] for r in rows}
+    wall = {r["size"]: r["wall_ratio_to_bare"]["median"] for r in rows}
+    cpu = {r["size"]: r["cpu_ratio_to_bare"]["median"] for r in rows}
+
+    def target(name: str, size: str, system: str, ok: Any) -> None:
+        w, c = wall.get(size, {}).get(system), cpu.get(size, {}).get(system)
+        out[name] = {"met": None if w is None else bool(ok(w)),
+                     "met_in_cpu_time": None if c is None else bool(ok(c)),
+                     "wall_ratio": w, "cpu_ratio": c}
+
     for size, bound in TARGET_RATIO.items():
-        got = by_size.get(size, {}).get("fedring")
-        out[f"fedring_at_most_{bound}x_bare_at_{size}"] = {
-            "met": None if got is None else got <= bound, "ratio": got}
-    got = by_size.get("10k", {}).get("fedring_vectorized")
-    out["fedring_vectorized_below_bare_at_10k"] = {
-        "met": None if got is None else got < TARGET_VECTORIZED_10K, "ratio": got}
+        target(f"fedring_at_most_{bound}x_bare_at_{size}", size, "fedring",
+               lambda r, b=bound: r <= b)
+    target("fedring_vectorized_below_bare_at_10k", "10k", "fedring_vectorized",
+           lambda r: r < TARGET_VECTORIZED_10K)
     return out
 
 
-if __name__ == "__main__":  # pragma: no cover - run through simulation_overhead.py
-    sys.exit("run benchmarks/simulation_overhead.py --pfl-workload-only")
+def fedring_child(config_path: str, folder: str) -> None:
+    """In a child process: ``run_fedring`` on a resolved config; print its round times."""
+    import torch
+
+    torch.set_num_threads(1)
+    with open(config_path) as f:
+        config = json.load(f)
+    wall, cpu = run_fedring(config, folder)[0]
+    print(json.dumps({"round_s": wall, "round_cpu_s": cpu}), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--fedring-child":
+        fedring_child(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("run benchmarks/simulation_overhead.py --pfl-workload-only")

@@ -43,6 +43,7 @@ same repetition; without ``--pfl-python`` pfl is skipped with a note.
     python benchmarks/simulation_overhead.py [--quick] [--reps R] [--no-flower]
                                              [--sizes 10x10k,100x1m] [--no-cold]
                                              [--pfl-python PATH] [--pfl-reps 3]
+                                             [--fedring-baseline TREE]
                                              [--pfl-workload-only | --no-pfl-workload]
 
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
@@ -474,8 +475,13 @@ def main() -> None:
     parser.add_argument("--pfl-python", default=None,
                         help="interpreter with pfl[pytorch]==0.6.0 (its own venv) to run pfl "
                              "on its workload; without it pfl is skipped")
+    parser.add_argument("--fedring-baseline", default=None, metavar="TREE",
+                        help="a checkout of an earlier fedring: its in-process engine runs "
+                             "on the pfl workload too (before/after in one run)")
     parser.add_argument("--pfl-reps", type=int, default=None,
                         help="alternations of the pfl workload's systems (default 3, quick 1)")
+    parser.add_argument("--pfl-sizes", default=None,
+                        help="sizes of the pfl workload, e.g. 10k,1m (default both; quick 10k)")
     parser.add_argument("--pfl-workload-only", action="store_true",
                         help="only the pfl workload (no fedring-sizes table, no cold start)")
     parser.add_argument("--no-pfl-workload", action="store_true",
@@ -506,11 +512,13 @@ def main() -> None:
             log("pfl workload: pfl skipped (give --pfl-python, an interpreter with "
                 "pfl[pytorch]==0.6.0)")
         pfl_reps = args.pfl_reps or (1 if quick else 3)
-        for size in (["10k"] if quick else ["10k", "1m"]):
+        pfl_sizes = (args.pfl_sizes.split(",") if args.pfl_sizes
+                     else ["10k"] if quick else ["10k", "1m"])
+        for size in pfl_sizes:
             pfl_rows.append(pfl_compare(size, clients=10 if quick else 100,
-                                        rounds=3 if quick else 5, reps=pfl_reps,
+                                        rounds=3 if quick else 8, reps=pfl_reps,
                                         pfl_python=args.pfl_python, threads=args.threads,
-                                        vectorized=False))
+                                        vectorized=False, baseline=args.fedring_baseline))
     if args.pfl_workload_only:
         sizes, args.no_cold = [], True
     results = []
@@ -546,7 +554,8 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     for name, t in {**summary["targets"], **summary["pfl_workload"]["targets"]}.items():
-        log(f"target {name}: {'not measured' if t['met'] is None else t['met']}")
+        cpu = f" (in CPU time: {t['met_in_cpu_time']})" if "met_in_cpu_time" in t else ""
+        log(f"target {name}: {'not measured' if t['met'] is None else t['met']}{cpu}")
     print(json.dumps(summary), flush=True)
 
 

@@ -36,7 +36,7 @@ from client.protocol.npy import ReplyBuffers
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
 from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
-from client.training import evaluate, train, train_dp_sgd
+from client.training import evaluate, make_optimizer, train, train_dp_sgd
 from privacy.dp import local_dp_update
 from privacy.secagg import ProtocolError
 
@@ -45,19 +45,46 @@ MESSAGE_REFUSED = 400  # Error code of the reply to a server message the client 
 
 @dataclass
 class _Worker:
-    """Per-process state reused across messages: one model, cached partitions."""
+    """Per-process state reused across messages: one model and its optimizer, cached
+    partitions, and the last global model received, flattened once for every client of
+    its round."""
 
     task: ClientTask
     model: FlatModel
     data: dict[int, tuple[torch.Tensor, torch.Tensor]]
     delta: np.ndarray  # reused for every reply's delta before it is serialised
     replies: ReplyBuffers = field(default_factory=ReplyBuffers)  # in-process
-    spans: list[tuple[str, slice]] = field(default_factory=list)  # each tensor in the flat
+    optimizer: torch.optim.Optimizer | None = None  # reset for each client
+    base_record: ArrayRecord | None = None  # the record ``base_flat`` was read from
+    base_views: dict[str, np.ndarray] = field(default_factory=dict)
+    base_flat: np.ndarray | None = None
+    # In-process: trained parameters and loss by message id, from a vectorized cohort
+    pretrained: dict[str, tuple[np.ndarray, float]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        layout = self.model.layout
-        self.spans = [(name, slice(off, off + size)) for name, off, size
-                      in zip(layout.names, layout.offsets, layout.sizes, strict=True)]
+    def global_model(self, record: ArrayRecord) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The sent model's per-tensor views and its flat float32 copy.
+
+        A server sends one record to every client of a round; in-process, every message
+        carries that very object, whose arrays are immutable bytes, so it is checked and
+        flattened once per round, not once per client (the reference kept here keeps its
+        identity from being reused by another object).
+        """
+        if record is not self.base_record or self.base_flat is None:
+            layout = self.model.layout
+            views = model_views(record, layout)
+            if self.base_flat is None:
+                self.base_flat = np.empty(layout.dim, dtype=np.float32)
+            self.base_record = None  # not valid until the copy below succeeded
+            flatten_model(views, layout, out=self.base_flat)
+            self.base_record, self.base_views = record, views
+        return self.base_views, self.base_flat
+
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The worker's optimizer over its model (``train`` resets it for each client)."""
+        if self.optimizer is None:
+            params = [p for p in self.model.module.parameters() if p.requires_grad]
+            self.optimizer = make_optimizer(params, self.task.train_config)
+        return self.optimizer
 
 
 @dataclass
@@ -68,6 +95,8 @@ class LocalUpdate:
     metrics: MetricRecord
     config: ConfigRecord
     base: dict[str, np.ndarray]
+    base_flat: np.ndarray  # the global model, flat (the worker's buffer: read it at once)
+    trained: np.ndarray  # the trained model, flat (a buffer too)
     model: FlatModel
     partition_id: int
     noised: bool
@@ -162,8 +191,8 @@ class FedringClient:
         x, y = self._data(worker, pid)
         record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
-        base = model_views(record, model.layout)  # the global model, zero-copy
-        flatten_model(base, model.layout, out=model.flat_np)
+        base, base_flat = worker.global_model(record)
+        np.copyto(model.flat_np, base_flat)
         global_params = None
         if worker.task.train_config.proximal_mu > 0:
             global_params = [torch.from_numpy(np.array(base[n], dtype=np.float32))
@@ -171,18 +200,22 @@ class FedringClient:
         server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
         seed = training_seed(worker.task.seed, server_round, pid)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
-        if worker.task.train_config.dp_sgd:
+        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
+        pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
+            else None
+        trained = model.flat_np
+        if pretrained is not None:  # trained with its cohort (client.vectorized)
+            trained, loss = pretrained
+        elif worker.task.train_config.dp_sgd:
             loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
                                                            worker.task.train_config)
         else:
             loss = train(model.module, x, y, worker.task.train_config, seed=seed,
-                         global_params=global_params)
+                         global_params=global_params, optimizer=worker.local_optimizer())
         metrics["train_loss"] = loss
         # In-process, the delta is written straight into the buffer its reply will carry.
-        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
         delta = worker.replies.delta(model.dim) if in_process else worker.delta
-        for name, span in worker.spans:
-            np.subtract(model.flat_np[span], base[name].reshape(-1), out=delta[span])
+        np.subtract(trained, base_flat, out=delta)
         if worker.task.local_dp is not None:
             clip, z = worker.task.local_dp
             delta, _ = local_dp_update(delta, clip, z, noise_rng())
@@ -190,13 +223,13 @@ class FedringClient:
         if tampered:
             metrics[ATTACKER_METRIC] = 1
         return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
-                           model=model, partition_id=pid,
+                           base_flat=base_flat, trained=trained, model=model, partition_id=pid,
                            noised=worker.task.local_dp is not None or tampered)
 
     def train(self, msg: Message, context: Context) -> Message:
         update = self.local_update(msg, context)
         config, metrics, delta, model = update.config, update.metrics, update.delta, update.model
-        pid, base = update.partition_id, update.base
+        pid = update.partition_id
         if config.get(ConfigKey.REPLY, REPLY_DELTA) != REPLY_DELTA:
             raise WireError(f"config '{ConfigKey.REPLY}' must be 'delta' when given, got "
                             f"{config[ConfigKey.REPLY]!r}")
@@ -206,7 +239,7 @@ class FedringClient:
             name, record = reply_record(config, delta, context.state, pid)  # compressed?
             content = RecordDict({name: record, RecordName.METRICS: metrics})
         else:  # Flower's convention: full weights (base + the possibly noised delta)
-            weights = model.layout.flatten(base) + delta if update.noised else model.flat_np
+            weights = update.base_flat + delta if update.noised else update.trained
             content = RecordDict({RecordName.ARRAYS: model_record(model.layout, weights),
                                   RecordName.METRICS: metrics})
         return Message(content, reply_to=msg)

@@ -30,6 +30,7 @@ from server.rules import check_rules
 from server.secagg_config import SecAggScenarioConfig
 from simulations.attacks import AttackConfig, check_attack
 from simulations.datasets import dataset_names
+from simulations.engine_config import EngineConfig
 from simulations.models import model_names
 from simulations.partitioners import partitioner_names
 
@@ -68,6 +69,7 @@ SECTIONS: dict[str, type] = {
     "attack": AttackConfig,
     "compression": CompressionConfig,
     "audit": AuditConfig,
+    "engine": EngineConfig,
 }
 FREE_SECTIONS = ("model", "dp")  # checked by building the model / by DPConfig
 
