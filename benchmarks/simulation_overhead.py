@@ -44,6 +44,10 @@ same repetition; without ``--pfl-python`` pfl is skipped with a note.
                                              [--sizes 10x10k,100x1m] [--no-cold]
                                              [--pfl-python PATH] [--pfl-reps 3]
                                              [--fedring-baseline TREE]
+                                             [--memory-users 1000,3000,10000]
+
+Large populations (``population_memory.py``): the peak memory of loading FedProx
+Synthetic with one user per client, per client count.
                                              [--pfl-workload-only | --no-pfl-workload]
 
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
@@ -67,6 +71,7 @@ from harness import log
 from machine_info import load_average, machine
 from pfl_workload import compare as pfl_compare
 from pfl_workload import pfl_targets
+from population_memory import measure as population_memory
 
 SMALL, LARGE = [128], [1024, 1024]  # 9,610 and 1,126,410 parameters on digits
 HIDDEN = {"10k": SMALL, "1m": LARGE}
@@ -484,6 +489,9 @@ def main() -> None:
                         help="sizes of the pfl workload, e.g. 10k,1m (default both; quick 10k)")
     parser.add_argument("--pfl-workload-only", action="store_true",
                         help="only the pfl workload (no fedring-sizes table, no cold start)")
+    parser.add_argument("--memory-users", default=None,
+                        help="client counts whose FedProx Synthetic load's peak memory is "
+                             "recorded, e.g. 1000,3000,10000 (the default; quick: 300; 0: skip)")
     parser.add_argument("--no-pfl-workload", action="store_true",
                         help="skip the pfl workload")
     parser.add_argument("--cold-child", choices=("bare", "fedring"), help=argparse.SUPPRESS)
@@ -519,6 +527,9 @@ def main() -> None:
                                         rounds=3 if quick else 8, reps=pfl_reps,
                                         pfl_python=args.pfl_python, threads=args.threads,
                                         vectorized=False, baseline=args.fedring_baseline))
+    memory_users = [int(u) for u in (args.memory_users or ("300" if quick else
+                                                            "1000,3000,10000")).split(",")]
+    memory = population_memory([u for u in memory_users if u > 0])
     if args.pfl_workload_only:
         sizes, args.no_cold = [], True
     results = []
@@ -548,6 +559,7 @@ def main() -> None:
         "loadavg_after": load_average(),
         "results": results,
         "cold_start": cold,
+        "population_memory": memory,
         "pfl_workload": {"pfl": args.pfl_python is not None, "rows": pfl_rows,
                          "targets": pfl_targets(pfl_rows)},
         "targets": targets(results, cold) if results else {},
