@@ -526,7 +526,7 @@ def main() -> None:
             pfl_rows.append(pfl_compare(size, clients=10 if quick else 100,
                                         rounds=3 if quick else 8, reps=pfl_reps,
                                         pfl_python=args.pfl_python, threads=args.threads,
-                                        vectorized=False, baseline=args.fedring_baseline))
+                                        vectorized=True, baseline=args.fedring_baseline))
     memory_users = [int(u) for u in (args.memory_users or ("300" if quick else
                                                             "1000,3000,10000")).split(",")]
     memory = population_memory([u for u in memory_users if u > 0])
