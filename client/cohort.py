@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from client.training import TrainConfig
 
@@ -72,13 +73,19 @@ def batch_plan(clients: Sequence[CohortClient], cfg: TrainConfig
         per_client.append(batches)
     steps = torch.tensor([len(p) for p in per_client])
     k, s = len(clients), int(steps.max()) if len(clients) else 0
-    width = max((len(idx) for batches in per_client for idx in batches), default=1)
+    flat = [idx for batches in per_client for idx in batches]
+    lengths = torch.tensor([len(idx) for idx in flat])
+    width = int(lengths.max()) if len(flat) else 1
+    padded = pad_sequence(flat, batch_first=True) if flat else torch.zeros(0, 1, dtype=torch.long)
+    real = (torch.arange(width) < lengths[:, None]).to(torch.float32)
+    # row r of ``padded`` is step (r - first[k]) of the client k it belongs to
+    owner = torch.repeat_interleave(torch.arange(k), steps)
+    first = torch.cumsum(steps, 0) - steps
+    step_of = torch.arange(len(flat)) - first[owner]
     index = torch.zeros(k, s, width, dtype=torch.long)
     mask = torch.zeros(k, s, width)
-    for i, batches in enumerate(per_client):
-        for j, idx in enumerate(batches):
-            index[i, j, :len(idx)] = idx
-            mask[i, j, :len(idx)] = 1.0
+    index[owner, step_of] = padded
+    mask[owner, step_of] = real
     return index, mask, steps
 
 
