@@ -2,7 +2,8 @@
 
 Each count loads ``synthetic`` with ``num_users`` = the client count (one user per client,
 the natural partition) in a fresh interpreter, which reports its resident set before the
-load and its peak (``ru_maxrss``) after it, beside the bytes of the loaded arrays. The
+load and its peak (``VmHWM``: unlike ``ru_maxrss`` it is not inherited from the parent
+that spawned it) after it, beside the bytes of the loaded arrays. The
 loader's target: the peak growth under twice the data.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from typing import Any
@@ -23,6 +23,14 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def child(users: int) -> None:
     """In a fresh interpreter: load, partition, print the figures."""
     from simulations.datasets import load_dataset
@@ -32,7 +40,7 @@ def child(users: int) -> None:
     ds = load_dataset("synthetic", seed=0, test_fraction=0.2, alpha=1.0, beta=1.0,
                       num_users=users)
     parts = partition(ds.y_train, users, kind="natural", seed=0, groups=ds.groups)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_rss_bytes()
     data = sum(a.nbytes for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test, ds.groups))
     print(json.dumps({"users": users, "samples": len(ds.y_train) + len(ds.y_test),
                       "partitions": len(parts), "data_bytes": data, "rss_before": before,

@@ -59,7 +59,8 @@ class _Worker:
     base_views: dict[str, np.ndarray] = field(default_factory=dict)
     base_flat: np.ndarray | None = None
     # In-process: trained parameters and loss by message id, from a vectorized cohort
-    pretrained: dict[str, tuple[np.ndarray, float]] = field(default_factory=dict)
+    # (a dict, or client.vectorized.CohortResults, which trains a batch when first asked)
+    pretrained: Any = field(default_factory=dict)
 
     def global_model(self, record: ArrayRecord) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The sent model's per-tensor views and its flat float32 copy.

@@ -7,17 +7,23 @@ waits on its worker under the message's id, and the ClientApp, when it handles t
 message, takes it instead of training again. Everything after training (local DP,
 simulated attacks, compression, secure masking, the reply) runs per client as before.
 A cohort that cannot be vectorized is left to the ClientApp, with one log line per reason.
+
+A cohort is cut into batches whose stacked parameters fit ``STACK_BUDGET``, and a batch
+is trained only when the ClientApp first asks for one of its results: replies are
+produced batch by batch, so the results held at once are one batch's, not the cohort's.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 
-from client.app import FedringClient, record_of, training_seed
+from client.app import _WORKERS, FedringClient, record_of, training_seed
 from client.cohort import CohortClient, stack_data, train_cohort, unsupported
 from client.protocol.errors import WireError
 from client.protocol.keys import ConfigKey, NodeConfigKey, RecordName
@@ -29,6 +35,44 @@ log = logging.getLogger("fedring")
 # here: a 1M-parameter MLP is fastest with 2-4 clients per batch, a 10k one with all).
 STACK_BUDGET = 8 * 2**20
 MODES = ("auto", True)
+
+
+Result = tuple[np.ndarray, float]  # a client's trained flat parameters and mean loss
+
+
+class CohortResults:
+    """Results by message id, each batch trained when one of its results is first taken
+    (``pop``, as the ClientApp takes them); a batch that fails leaves its clients to
+    train one by one."""
+
+    def __init__(self, on_error: Callable[[Exception], None]) -> None:
+        self._batch_of: dict[str, tuple[list[str], Callable[[], list[Result]]]] = {}
+        self._ready: dict[str, Result] = {}
+        self._on_error = on_error
+
+    def add(self, ids: list[str], train: Callable[[], list[Result]]) -> None:
+        for msg_id in ids:
+            self._batch_of[msg_id] = (ids, train)
+
+    def clear(self) -> None:
+        self._batch_of.clear()
+        self._ready.clear()
+
+    def pop(self, msg_id: str, default: Result | None = None) -> Result | None:
+        if msg_id not in self._ready:
+            batch = self._batch_of.get(msg_id)
+            if batch is None:
+                return default
+            ids, train = batch
+            for other in ids:
+                self._batch_of.pop(other, None)
+            self._ready.clear()  # an earlier batch's results nobody took are dropped
+            try:
+                self._ready.update(zip(ids, train(), strict=True))
+            except Exception as exc:  # never fail a client here: it trains alone instead
+                self._on_error(exc)
+                return default
+        return self._ready.pop(msg_id, default)
 
 
 class VectorizedCohorts:
@@ -47,6 +91,8 @@ class VectorizedCohorts:
         self.trained = 0  # clients trained vectorized so far (for tests and benchmarks)
 
     def __call__(self, batch: list[tuple[Message, Context]]) -> None:
+        for worker in _WORKERS.values():  # results nobody took (a cohort cut short) go
+            worker.pretrained.clear()
         groups: dict[tuple[Any, ...], list[tuple[Message, Context]]] = {}
         for msg, context in batch:
             if (msg.metadata.message_type.split(".")[0] != "train"
@@ -65,8 +111,11 @@ class VectorizedCohorts:
             except WireError:
                 pass  # the ClientApp meets the same problem and replies with it
             except Exception as exc:  # never fail a round here: the clients train one by one
-                self._say(f"vectorized training failed ({type(exc).__name__}: {exc}); "
-                          "training one client after the other", warn=True)
+                self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self._say(f"vectorized training failed ({type(exc).__name__}: {exc}); training one "
+                  "client after the other", warn=True)
 
     def _say(self, text: str, warn: bool) -> None:
         if text not in self._said:
@@ -79,7 +128,8 @@ class VectorizedCohorts:
         config = record_of(msg0.content, ConfigRecord, RecordName.CONFIG)
         record = record_of(msg0.content, ArrayRecord, RecordName.ARRAYS)
         worker = client._worker(config, ctx0)
-        worker.pretrained.clear()  # results nobody took (a cohort cut short) are dropped
+        if not isinstance(worker.pretrained, CohortResults):
+            worker.pretrained = CohortResults(self._failed)
         if self._mode == "auto" and len(members) < 2:
             return
         cfg = worker.task.train_config
@@ -90,7 +140,7 @@ class VectorizedCohorts:
             return
         _, base_flat = worker.global_model(record)
         layout = worker.model.layout
-        flat = torch.from_numpy(base_flat)
+        flat = torch.from_numpy(base_flat.copy())  # batches train later: keep this round's
         start = {name: flat[off:off + size].view(shape) for name, off, size, shape
                  in zip(layout.names, layout.offsets, layout.sizes, layout.shapes, strict=True)}
         rnd = config.get(ConfigKey.SERVER_ROUND, 0)
@@ -101,15 +151,24 @@ class VectorizedCohorts:
             clients.append(CohortClient(x, y, training_seed(worker.task.seed, int(rnd), pid)))
             pids.append(pid)
         chunk = max(1, self._budget // (4 * layout.dim))
-        module = worker.model.module
         for lo in range(0, len(members), chunk):
-            part = clients[lo:lo + chunk]
-            params, losses = train_cohort(module, start, part, cfg,
-                                          data=self._data(worker, pids[lo:lo + chunk], part))
+            ids = [msg.metadata.message_id for msg, _ in members[lo:lo + chunk]]
+            worker.pretrained.add(ids, self._batch(worker, start, clients[lo:lo + chunk],
+                                                   pids[lo:lo + chunk]))
+
+    def _batch(self, worker: Any, start: dict[str, torch.Tensor], part: list[CohortClient],
+               pids: list[int]) -> Callable[[], list[Result]]:
+        """What trains one batch and returns each client's result, in order."""
+
+        def train() -> list[Result]:
+            cfg, layout = worker.task.train_config, worker.model.layout
+            params, losses = train_cohort(worker.model.module, start, part, cfg,
+                                          data=self._data(worker, pids, part))
             rows = torch.cat([params[n].reshape(len(part), -1) for n in layout.names], dim=1)
-            for i, (msg, _) in enumerate(members[lo:lo + chunk]):
-                worker.pretrained[msg.metadata.message_id] = (rows[i].numpy(), losses[i])
             self.trained += len(part)
+            return [(rows[i].numpy(), losses[i]) for i in range(len(part))]
+
+        return train
 
     def _data(self, worker: Any, pids: list[int], part: list[CohortClient]
               ) -> tuple[torch.Tensor, torch.Tensor]:
