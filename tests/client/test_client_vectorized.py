@@ -141,3 +141,28 @@ def test_auto_leaves_a_single_client_to_the_client_app() -> None:
 def test_a_bad_vectorize_value_names_the_key(value: str) -> None:
     with pytest.raises(ValueError, match=r"engine\.vectorize"):
         load_scenario("default", [f"engine.vectorize={value}"])
+
+
+def test_a_cohort_over_the_stack_budget_trains_batch_by_batch_as_replies_are_taken() -> None:
+    from client.app import FedringClient
+    from client.vectorized import VectorizedCohorts
+    from simulations.apps import spec_from_run_config
+
+    sequential, _ = _round([], False)
+    config = load_scenario("default", SCENARIO)
+    task = ScenarioTask.from_config(config)
+    params, layout = task.initial_params()
+    hook = VectorizedCohorts(FedringClient(ScenarioTask, spec_from_run_config), True,
+                             stack_budget=2 * 4 * layout.dim)  # two clients per batch
+    grid = InProcessGrid(client_app, 4, cohort_hook=hook)
+    content = RecordDict({"arrays": model_record(layout, params),
+                          "config": train_config(1, 1, json.dumps(task.task_spec(),
+                                                                  sort_keys=True), 0)})
+    ids = grid.push_messages([Message(content, n, "train", group_id="1") for n in (1, 2, 3, 4)])
+    trained = []
+    for reply, expected in zip(grid.pull_messages(ids), sequential, strict=True):
+        trained.append(hook.trained)
+        delta = decode_train_reply(reply, client_id="c", layout=layout, base_params=params,
+                                   version=1).delta
+        np.testing.assert_allclose(delta, expected, rtol=1e-4, atol=1e-6)
+    assert trained == [2, 2, 4, 4]
