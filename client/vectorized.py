@@ -138,8 +138,15 @@ class VectorizedCohorts:
             self._say(f"engine.vectorize: training clients one by one: {reason}",
                       warn=self._mode is True)
             return
-        _, base_flat = worker.global_model(record)
         layout = worker.model.layout
+        chunk = max(1, self._budget // (4 * layout.dim))
+        if self._mode == "auto" and chunk < len(members):
+            self._say(f"engine.vectorize: training clients one by one: {len(members)} clients "
+                      f"x {layout.dim:,} parameters do not fit one batch (measured here: "
+                      "batches of larger models are slower than one client at a time)",
+                      warn=False)
+            return
+        _, base_flat = worker.global_model(record)
         flat = torch.from_numpy(base_flat.copy())  # batches train later: keep this round's
         start = {name: flat[off:off + size].view(shape) for name, off, size, shape
                  in zip(layout.names, layout.offsets, layout.sizes, layout.shapes, strict=True)}
@@ -150,7 +157,6 @@ class VectorizedCohorts:
             x, y = client._data(worker, pid)
             clients.append(CohortClient(x, y, training_seed(worker.task.seed, int(rnd), pid)))
             pids.append(pid)
-        chunk = max(1, self._budget // (4 * layout.dim))
         for lo in range(0, len(members), chunk):
             ids = [msg.metadata.message_id for msg, _ in members[lo:lo + chunk]]
             worker.pretrained.add(ids, self._batch(worker, start, clients[lo:lo + chunk],

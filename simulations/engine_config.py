@@ -1,11 +1,12 @@
 """The ``[engine]`` section: how the simulation engine runs the clients.
 
 ``vectorize`` (the in-process engine): train a round's clients as one batched
-computation (``client.cohort``) when they share the model, optimizer and local step
-plan: ``false`` (the default: one client after the other), ``"auto"`` (cohorts of two
-or more clients that can be vectorized are; the others go one by one, with one log line
-per reason) or ``true`` (every cohort that can be, and a warning per reason when one
-cannot).
+computation (``client.cohort``) when they share the model and optimizer: ``false``
+(the default: one client after the other), ``"auto"`` (cohorts of two or more clients
+that can be vectorized and whose stacked parameters fit one batch,
+``client.vectorized.STACK_BUDGET``; the others go one by one, with one log line per
+reason) or ``true`` (every cohort that can be, in batches that fit, with a warning per
+reason when one cannot).
 """
 
 from __future__ import annotations

@@ -166,3 +166,24 @@ def test_a_cohort_over_the_stack_budget_trains_batch_by_batch_as_replies_are_tak
                                    version=1).delta
         np.testing.assert_allclose(delta, expected, rtol=1e-4, atol=1e-6)
     assert trained == [2, 2, 4, 4]
+
+
+def test_auto_leaves_a_cohort_too_large_for_one_batch_to_the_client_app(caplog) -> None:
+    from client.app import FedringClient
+    from client.vectorized import VectorizedCohorts
+    from simulations.apps import spec_from_run_config
+
+    config = load_scenario("default", SCENARIO)
+    task = ScenarioTask.from_config(config)
+    params, layout = task.initial_params()
+    hook = VectorizedCohorts(FedringClient(ScenarioTask, spec_from_run_config), "auto",
+                             stack_budget=2 * 4 * layout.dim)
+    grid = InProcessGrid(client_app, 4, cohort_hook=hook)
+    content = RecordDict({"arrays": model_record(layout, params),
+                          "config": train_config(1, 1, json.dumps(task.task_spec(),
+                                                                  sort_keys=True), 0)})
+    ids = grid.push_messages([Message(content, n, "train", group_id="1") for n in (1, 2, 3, 4)])
+    with caplog.at_level(logging.INFO, logger="fedring"):
+        replies = list(grid.pull_messages(ids))
+    assert len(replies) == 4 and hook.trained == 0
+    assert any("do not fit one batch" in r.getMessage() for r in caplog.records)
