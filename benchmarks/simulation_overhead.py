@@ -42,9 +42,21 @@ buffers) on generated images written as CIFAR-10 python batches, IID over 100 cl
 in lockstep as above; the bare loop averages batch norm's statistics with the weights,
 as fedring does by default.
 
+pfl-research's workload (``pfl_workload.py``): a pfl-style bare loop, fedring (also with
+vectorized cohorts) and, given ``--pfl-python`` (an interpreter with ``pfl[pytorch]``),
+pfl 0.6 itself, alternated ``--pfl-reps`` times, each as a ratio to the bare loop of the
+same repetition; without ``--pfl-python`` pfl is skipped with a note.
+
     python benchmarks/simulation_overhead.py [--quick] [--reps R] [--no-flower]
                                              [--sizes 10x10k,100x1m] [--no-cold]
                                              [--cifar-bn | --cifar-bn-only]
+                                             [--pfl-python PATH] [--pfl-reps 3]
+                                             [--fedring-baseline TREE]
+                                             [--memory-users 1000,3000,10000]
+                                             [--pfl-workload-only | --no-pfl-workload]
+
+Large populations (``population_memory.py``): the peak memory of loading FedProx
+Synthetic with one user per client, per client count.
 
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
 """
@@ -65,6 +77,9 @@ from typing import Any
 
 from harness import log
 from machine_info import load_average, machine
+from pfl_workload import compare as pfl_compare
+from pfl_workload import pfl_targets
+from population_memory import measure as population_memory
 
 SMALL, LARGE = [128], [1024, 1024]  # 9,610 and 1,126,410 parameters on digits
 HIDDEN = {"10k": SMALL, "1m": LARGE}
@@ -557,6 +572,23 @@ def main() -> None:
                         help="also the batch-norm CNN at CIFAR shape, 100 clients (quick: 4)")
     parser.add_argument("--cifar-bn-only", action="store_true",
                         help="only the batch-norm CNN at CIFAR shape")
+    parser.add_argument("--pfl-python", default=None,
+                        help="interpreter with pfl[pytorch]==0.6.0 (its own venv) to run pfl "
+                             "on its workload; without it pfl is skipped")
+    parser.add_argument("--fedring-baseline", default=None, metavar="TREE",
+                        help="a checkout of an earlier fedring: its in-process engine runs "
+                             "on the pfl workload too (before/after in one run)")
+    parser.add_argument("--pfl-reps", type=int, default=None,
+                        help="alternations of the pfl workload's systems (default 3, quick 1)")
+    parser.add_argument("--pfl-sizes", default=None,
+                        help="sizes of the pfl workload, e.g. 10k,1m (default both; quick 10k)")
+    parser.add_argument("--pfl-workload-only", action="store_true",
+                        help="only the pfl workload (no fedring-sizes table, no cold start)")
+    parser.add_argument("--memory-users", default=None,
+                        help="client counts whose FedProx Synthetic load's peak memory is "
+                             "recorded, e.g. 1000,3000,10000 (the default; quick: 300; 0: skip)")
+    parser.add_argument("--no-pfl-workload", action="store_true",
+                        help="skip the pfl workload")
     parser.add_argument("--cold-child", choices=("bare", "fedring"), help=argparse.SUPPRESS)
     parser.add_argument("--cold-clients", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--cold-hidden", default="[128]", help=argparse.SUPPRESS)
@@ -577,7 +609,24 @@ def main() -> None:
     with_flower = not (quick or args.no_flower)
     log(f"simulation_overhead: {'quick' if quick else 'full'}, {rounds} rounds (first is "
         f"warm-up), {reps} fedring run(s) per size; load average {load_before[0]:.2f}")
-    if args.cifar_bn_only:
+    pfl_rows = []
+    if not (args.no_pfl_workload or args.cifar_bn_only):
+        if args.pfl_python is None:
+            log("pfl workload: pfl skipped (give --pfl-python, an interpreter with "
+                "pfl[pytorch]==0.6.0)")
+        pfl_reps = args.pfl_reps or (1 if quick else 3)
+        pfl_sizes = (args.pfl_sizes.split(",") if args.pfl_sizes
+                     else ["10k"] if quick else ["10k", "1m"])
+        for size in pfl_sizes:
+            pfl_rows.append(pfl_compare(size, clients=10 if quick else 100,
+                                        rounds=3 if quick else 8, reps=pfl_reps,
+                                        pfl_python=args.pfl_python, threads=args.threads,
+                                        vectorized=True, baseline=args.fedring_baseline))
+    memory_users = [int(u) for u in (args.memory_users or ("300" if quick else
+                                                            "1000,3000,10000")).split(",")]
+    memory = population_memory([u for u in memory_users if u > 0
+                                and not args.cifar_bn_only])
+    if args.pfl_workload_only or args.cifar_bn_only:
         sizes, args.no_cold = [], True
     results = []
     cifar_bn = None
@@ -610,11 +659,15 @@ def main() -> None:
         "results": results,
         "cold_start": cold,
         "cifar_bn": cifar_bn,
+        "population_memory": memory,
+        "pfl_workload": {"pfl": args.pfl_python is not None, "rows": pfl_rows,
+                         "targets": pfl_targets(pfl_rows)},
         "targets": targets(results, cold) if results else {},
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    for name, t in summary["targets"].items():
-        log(f"target {name}: {'not measured' if t['met'] is None else t['met']}")
+    for name, t in {**summary["targets"], **summary["pfl_workload"]["targets"]}.items():
+        cpu = f" (in CPU time: {t['met_in_cpu_time']})" if "met_in_cpu_time" in t else ""
+        log(f"target {name}: {'not measured' if t['met'] is None else t['met']}{cpu}")
     print(json.dumps(summary), flush=True)
 
 

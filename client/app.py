@@ -39,7 +39,14 @@ from client.protocol.train import read_center
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
 from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
-from client.training import check_model, evaluate, resolve_device, train, train_dp_sgd
+from client.training import (
+    check_model,
+    evaluate,
+    make_optimizer,
+    resolve_device,
+    train,
+    train_dp_sgd,
+)
 from privacy.dp import local_dp_update
 from privacy.secagg import ProtocolError
 
@@ -48,22 +55,51 @@ MESSAGE_REFUSED = 400  # Error code of the reply to a server message the client 
 
 @dataclass
 class _Worker:
-    """Per-process state reused across messages: one model and the cached partitions,
-    both on the task's device (``train.device``)."""
+    """Per-process state reused across messages: one model and its optimizer, the cached
+    partitions, both on the task's device (``train.device``), and the last global model
+    received, flattened once for every client of its round."""
 
     task: ClientTask
     model: FlatModel
     data: dict[int, tuple[torch.Tensor, torch.Tensor]]
     delta: np.ndarray  # reused for every reply's delta before it is serialised
     replies: ReplyBuffers = field(default_factory=ReplyBuffers)  # in-process
-    spans: list[tuple[str, slice]] = field(default_factory=list)  # each tensor in the flat
+    optimizer: torch.optim.Optimizer | None = None  # reset for each client
+    base_record: ArrayRecord | None = None  # the record ``base_flat`` was read from
+    base_views: dict[str, np.ndarray] = field(default_factory=dict)
+    base_flat: np.ndarray | None = None
+    # In-process: trained parameters and loss by message id, from a vectorized cohort
+    # (a dict, or client.vectorized.CohortResults, which trains a batch when first asked)
+    pretrained: Any = field(default_factory=dict)
     local: list[tuple[str, slice]] = field(default_factory=list)  # what FedBN keeps
 
     def __post_init__(self) -> None:
-        layout = self.model.layout
-        self.spans = [(name, slice(off, off + size)) for name, off, size
-                      in zip(layout.names, layout.offsets, layout.sizes, strict=True)]
         self.local = local_state.local_spans(self.model)
+
+    def global_model(self, record: ArrayRecord) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The sent model's per-tensor views and its flat float32 copy.
+
+        A server sends one record to every client of a round; in-process, every message
+        carries that very object, whose arrays are immutable bytes, so it is checked and
+        flattened once per round, not once per client (the reference kept here keeps its
+        identity from being reused by another object).
+        """
+        if record is not self.base_record or self.base_flat is None:
+            layout = self.model.layout
+            views = model_views(record, layout)
+            if self.base_flat is None:
+                self.base_flat = np.empty(layout.dim, dtype=np.float32)
+            self.base_record = None  # not valid until the copy below succeeded
+            flatten_model(views, layout, out=self.base_flat)
+            self.base_record, self.base_views = record, views
+        return self.base_views, self.base_flat
+
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The worker's optimizer over its model (``train`` resets it for each client)."""
+        if self.optimizer is None:
+            params = [p for p in self.model.module.parameters() if p.requires_grad]
+            self.optimizer = make_optimizer(params, self.task.train_config)
+        return self.optimizer
 
 
 @dataclass
@@ -74,6 +110,8 @@ class LocalUpdate:
     metrics: MetricRecord
     config: ConfigRecord
     base: dict[str, np.ndarray]
+    base_flat: np.ndarray  # the global model, flat (the worker's buffer: read it at once)
+    trained: np.ndarray  # the trained model, flat (a buffer too)
     model: FlatModel
     partition_id: int
     noised: bool
@@ -171,8 +209,8 @@ class FedringClient:
         pid = self._partition_id(context)
         record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
-        base = model_views(record, model.layout)  # the global model, zero-copy
-        flatten_model(base, model.layout, out=model.flat_np)
+        base, base_flat = worker.global_model(record)
+        np.copyto(model.flat_np, base_flat)
         fedbn = _flag(config, ConfigKey.LOCAL_BUFFERS)
         local_state.restore(context.state, model, fedbn)  # this node's own buffers
         model.to_device()  # the one copy to the device (none on the CPU)
@@ -181,28 +219,32 @@ class FedringClient:
             global_params = [p.detach().clone() for p in model.module.parameters()]
         server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
         seed = training_seed(worker.task.seed, server_round, pid)
+        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
+        pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
+            else None
+        trained = model.flat_np
         if worker.task.trainer is not None:  # the task's own loop (a user's task module)
-            count, trained = worker.task.trainer(model.module, pid, seed)
-            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: count, **trained})
-            if "loss" in trained:
-                metrics["train_loss"] = trained["loss"]
+            count, results = worker.task.trainer(model.module, pid, seed)
+            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: count, **results})
+            if "loss" in results:
+                metrics["train_loss"] = results["loss"]
         else:
             x, y = self._data(worker, pid)
             metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
-            if worker.task.train_config.dp_sgd:
+            if pretrained is not None:  # trained with its cohort (client.vectorized)
+                trained, loss = pretrained
+            elif worker.task.train_config.dp_sgd:
                 loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
                                                                worker.task.train_config)
             else:
                 loss = train(model.module, x, y, worker.task.train_config, seed=seed,
-                             global_params=global_params)
+                             global_params=global_params, optimizer=worker.local_optimizer())
             metrics["train_loss"] = loss
         model.to_host()  # the one copy back to the host (none on the CPU)
         local_state.keep(context.state, model, fedbn)
         # In-process, the delta is written straight into the buffer its reply will carry.
-        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
         delta = worker.replies.delta(model.dim) if in_process else worker.delta
-        for name, span in worker.spans:
-            np.subtract(model.flat_np[span], base[name].reshape(-1), out=delta[span])
+        np.subtract(trained, base_flat, out=delta)
         for _, span in worker.local if fedbn else ():
             delta[span] = 0.0  # FedBN: kept here, never averaged
         if worker.task.local_dp is not None:
@@ -215,14 +257,14 @@ class FedringClient:
         if center is not None:
             clip_around(delta, *center)
         return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
-                           model=model, partition_id=pid,
+                           base_flat=base_flat, trained=trained, model=model, partition_id=pid,
                            noised=worker.task.local_dp is not None or tampered
                            or center is not None)
 
     def train(self, msg: Message, context: Context) -> Message:
         update = self.local_update(msg, context)
         config, metrics, delta, model = update.config, update.metrics, update.delta, update.model
-        pid, base = update.partition_id, update.base
+        pid = update.partition_id
         if config.get(ConfigKey.REPLY, REPLY_DELTA) != REPLY_DELTA:
             raise WireError(f"config '{ConfigKey.REPLY}' must be 'delta' when given, got "
                             f"{config[ConfigKey.REPLY]!r}")
@@ -232,7 +274,7 @@ class FedringClient:
             name, record = reply_record(config, delta, context.state, pid)  # compressed?
             content = RecordDict({name: record, RecordName.METRICS: metrics})
         else:  # Flower's convention: full weights (base + the possibly noised delta)
-            weights = model.layout.flatten(base) + delta if update.noised else model.flat_np
+            weights = update.base_flat + delta if update.noised else update.trained
             content = RecordDict({RecordName.ARRAYS: model_record(model.layout, weights),
                                   RecordName.METRICS: metrics})
         return Message(content, reply_to=msg)

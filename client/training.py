@@ -107,6 +107,14 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.
                            weight_decay=cfg.weight_decay)
 
 
+def reset_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` as a freshly made one: its per-parameter state (momentum buffers, Adam's
+    moments and step counts) dropped, so a worker reuses one optimizer for every client
+    instead of building one per client. Torch creates that state on the first step."""
+    opt.state.clear()  # (gradients left by the last client are cleared before each step)
+    return opt
+
+
 def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                  cfg: TrainConfig) -> tuple[float, float]:
     """DP-SGD with Opacus (Abadi et al. 2016): Poisson-sampled batches of expected size
@@ -153,7 +161,8 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 
 def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, *,
-          seed: int, global_params: list[torch.Tensor] | None = None) -> float:
+          seed: int, global_params: list[torch.Tensor] | None = None,
+          optimizer: torch.optim.Optimizer | None = None) -> float:
     """Train in place for ``cfg.local_epochs`` and return the mean training loss.
 
     With ``cfg.proximal_mu > 0`` the FedProx term (mu/2)||w - w_global||^2 is added
@@ -161,13 +170,17 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     (parameters only: buffers such as batch norm's statistics are not trained, they follow
     the batches). Training runs where ``module`` and ``x`` are; the batch order is drawn on
     the CPU from ``seed``, the same on every device. With batch norm a last batch of one
-    sample is skipped: batch norm cannot normalise a single sample.
+    sample is skipped: batch norm cannot normalise a single sample. ``optimizer``: one made
+    by ``make_optimizer`` over this module's parameters, reused across calls (it is reset
+    first, so the result is that of a fresh one).
     """
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = ([p for p in module.parameters() if p.requires_grad]
+              if optimizer is None or cfg.proximal_mu > 0 else [])
     if cfg.proximal_mu > 0 and (global_params is None or len(global_params) != len(params)):
         raise ValueError("FedProx needs the global model's parameters")
-    module.train()
-    opt = make_optimizer(params, cfg)
+    if not module.training:  # (a recursive walk over the modules: only when it changes)
+        module.train()
+    opt = make_optimizer(params, cfg) if optimizer is None else reset_optimizer(optimizer)
     gen = torch.Generator().manual_seed(seed)
     n = len(x)
     smallest = 2 if has_batch_norm(module) else 1

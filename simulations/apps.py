@@ -49,6 +49,16 @@ def build_task(config: Mapping[str, Any]) -> Any:
     return task
 
 
+def cohort_hook(vectorize: Any) -> Any:
+    """The in-process engine's cohort hook for ``engine.vectorize`` (None when false)."""
+    if vectorize is False:
+        return None
+    from client.app import FedringClient
+    from client.vectorized import VectorizedCohorts
+
+    return VectorizedCohorts(FedringClient(make_task, spec_from_run_config), vectorize)
+
+
 server_app = make_server_app(build_task, config_from_run_config, observe=open_tracking,
                              pre_combine=omniscient_attack)
 client_app = make_client_app(make_task, spec_from_run_config)

@@ -52,6 +52,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     from simulations.apps import (
         build_task,
         client_app,
+        cohort_hook,
         config_from_run_config,
         spec_from_run_config,
     )
@@ -81,7 +82,9 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
 
             grid = ConcurrentGrid(silo_client_app(make_task, spec_from_run_config), clients)
         else:
-            grid = InProcessGrid(client_app, clients)
+            grid = InProcessGrid(client_app, clients,
+                                 cohort_hook=cohort_hook(
+                                     config.get("engine", {}).get("vectorize", False)))
         server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
                                  state=RecordDict(), run_config={"db": db}))
     elif engine == "flower":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +196,22 @@ def generate_synthetic(
     heterogeneity comes from the independent per-user ``Z`` (model skew) and from ``beta``
     (feature-mean skew, which also skews per-user label distributions).
     """
+    _, users = synthetic_users(seed=seed, alpha=alpha, beta=beta, num_users=num_users,
+                               iid=iid, max_samples_per_user=max_samples_per_user)
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    for x, y in users:
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def synthetic_users(*, seed: int, alpha: float, beta: float, num_users: int, iid: bool,
+                    max_samples_per_user: int | None
+                    ) -> tuple[np.ndarray, Iterator[tuple[np.ndarray, np.ndarray]]]:
+    """(each user's sample count, an iterator over the users' (x, y)): the draws of
+    :func:`generate_synthetic` (checked arguments), one user at a time, so that a loader
+    keeps only one user's float64 samples besides what it stores."""
     if isinstance(num_users, bool) or not isinstance(num_users, (int, np.integer)) or num_users < 1:
         raise ValueError(f"synthetic: num_users must be an integer >= 1, got {num_users!r}")
     for pname, value in (("alpha", alpha), ("beta", beta)):
@@ -229,18 +245,17 @@ def generate_synthetic(
         big_b = rng.normal(0, float(beta), nu)
         means = rng.normal(big_b[:, None], 1, (nu, dim))
 
-    xs: list[np.ndarray] = []
-    ys: list[np.ndarray] = []
-    for k in range(nu):
-        if iid:
-            w, b = w_shared, b_shared
-        else:
-            w = rng.normal(u[k], 1, (dim, ncls))
-            b = rng.normal(u[k], 1, ncls)
-        x = means[k] + sigma_sqrt * rng.standard_normal((int(counts[k]), dim))
-        xs.append(x)
-        ys.append(np.argmax(x @ w + b, axis=1).astype(np.int64))
-    return xs, ys
+    def users() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for k in range(nu):
+            if iid:
+                w, b = w_shared, b_shared
+            else:
+                w = rng.normal(u[k], 1, (dim, ncls))
+                b = rng.normal(u[k], 1, ncls)
+            x = means[k] + sigma_sqrt * rng.standard_normal((int(counts[k]), dim))
+            yield x, np.argmax(x @ w + b, axis=1).astype(np.int64)
+
+    return counts, users()
 
 
 def _load_synthetic(
@@ -253,37 +268,38 @@ def _load_synthetic(
     iid: bool = False,
     max_samples_per_user: int | None = None,
 ) -> Dataset:
-    xs, ys = generate_synthetic(
-        seed=seed,
-        alpha=alpha,
-        beta=beta,
-        num_users=num_users,
-        iid=iid,
-        max_samples_per_user=max_samples_per_user,
-    )
+    counts, users = synthetic_users(seed=seed, alpha=alpha, beta=beta, num_users=num_users,
+                                    iid=iid, max_samples_per_user=max_samples_per_user)
     # Per-user hold-out, drawn after generation from a child stream so that the data itself
-    # depends only on the generation parameters.
+    # depends only on the generation parameters. The outputs are allocated once, in
+    # float32, and filled user by user: the peak is the data plus one user's samples.
+    n_test = np.minimum(np.round(test_fraction * counts).astype(np.int64), counts - 1)
+    n_train = counts - n_test
+    dim = SYNTHETIC_DIM
+    x_train = np.empty((int(n_train.sum()), dim), np.float32)
+    y_train = np.empty(len(x_train), np.int64)
+    x_test = np.empty((int(n_test.sum()), dim), np.float32)
+    y_test = np.empty(len(x_test), np.int64)
+    groups = np.repeat(np.arange(len(counts), dtype=np.int64), n_train)
     split_rng = np.random.default_rng([seed, 1])
-    tr_x, tr_y, tr_g, te_x, te_y = [], [], [], [], []
-    for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
-        n = len(y)
-        n_test = min(round(test_fraction * n), n - 1)
-        perm = split_rng.permutation(n)
-        test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
-        tr_x.append(x[train_idx])
-        tr_y.append(y[train_idx])
-        tr_g.append(np.full(len(train_idx), k, dtype=np.int64))
-        te_x.append(x[test_idx])
-        te_y.append(y[test_idx])
+    tr = te = 0
+    for k, (x, y) in enumerate(users):
+        perm = split_rng.permutation(len(y))
+        test_idx, train_idx = np.sort(perm[:n_test[k]]), np.sort(perm[n_test[k]:])
+        x_train[tr:tr + len(train_idx)] = x[train_idx]
+        y_train[tr:tr + len(train_idx)] = y[train_idx]
+        x_test[te:te + len(test_idx)] = x[test_idx]
+        y_test[te:te + len(test_idx)] = y[test_idx]
+        tr, te = tr + len(train_idx), te + len(test_idx)
     return Dataset(
         name="synthetic",
-        x_train=np.concatenate(tr_x).astype(np.float32),
-        y_train=np.concatenate(tr_y),
-        x_test=np.concatenate(te_x).astype(np.float32),
-        y_test=np.concatenate(te_y),
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
         num_classes=SYNTHETIC_CLASSES,
         input_shape=(SYNTHETIC_DIM,),
-        groups=np.concatenate(tr_g),
+        groups=groups,
     )
 
 

@@ -1,29 +1,41 @@
-"""``[engine]``: how ``fedring simulate --engine flower`` runs clients on Ray.
+"""``[engine]``: how the simulation engines run the clients.
 
-Each client (a Flower virtual SuperNode's ClientApp) gets ``client_cpus`` CPUs and a
-``client_gpus`` share of a GPU, so Ray runs as many at once as the cluster holds.
-``ray_address`` joins an existing Ray cluster (``ray start --head`` on one machine,
-``ray start --address=HEAD:6379`` on the others); empty starts a Ray instance for the run
-on this machine, or joins the one ``RAY_ADDRESS`` names.
+The Flower (Ray) engine (``fedring simulate --engine flower``): each client (a Flower
+virtual SuperNode's ClientApp) gets ``client_cpus`` CPUs and a ``client_gpus`` share of a
+GPU, so Ray runs as many at once as the cluster holds. ``ray_address`` joins an existing
+Ray cluster (``ray start --head`` on one machine, ``ray start --address=HEAD:6379`` on the
+others); empty starts a Ray instance for the run on this machine, or joins the one
+``RAY_ADDRESS`` names.
+
+The in-process engine: ``vectorize`` trains a round's clients as one batched computation
+(``client.cohort``) when they share the model and optimizer: ``false`` (the default: one
+client after the other), ``"auto"`` (cohorts of two or more clients that can be
+vectorized and whose stacked parameters fit one batch, ``client.vectorized.STACK_BUDGET``;
+the others go one by one, with one log line per reason) or ``true`` (every cohort that
+can be, in batches that fit, with a warning per reason when one cannot).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # "auto", "host:port", "ray://host:port", "local" (what ray.init accepts as an address)
 _ADDRESS = re.compile(r"^(auto|local|(ray://)?[A-Za-z0-9_.\-\[\]:]+:\d+)$")
+VECTORIZE_CHOICES = ("auto", True, False)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Client resources and the Ray cluster of the Flower (Ray) engine."""
+    """Client resources and the Ray cluster of the Flower engine; vectorized cohorts on
+    the in-process engine."""
 
     client_cpus: float = 1.0
     client_gpus: float = 0.0
     ray_address: str = ""
+    # A factory, not a plain default, so that the section accepts a string or a bool.
+    vectorize: Any = field(default_factory=lambda: False)
 
     def __post_init__(self) -> None:
         if self.client_cpus <= 0:
@@ -36,6 +48,10 @@ class EngineConfig:
             raise ValueError(f"engine.ray_address '{self.ray_address}' is not a Ray address: "
                              "use HOST:PORT of the head (e.g. 10.0.0.1:6379), "
                              "ray://HOST:10001, or auto (the cluster this machine joined)")
+        if not any(self.vectorize is c or self.vectorize == c for c in VECTORIZE_CHOICES
+                   if type(c) is type(self.vectorize)):
+            raise ValueError(f"engine.vectorize must be \"auto\", true or false, got "
+                             f"{self.vectorize!r}")
 
     def backend_config(self) -> dict[str, Any]:
         """Flower's Ray backend config: ``client_resources`` per ClientApp and the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
@@ -28,6 +28,7 @@ from client.protocol.keys import NodeConfigKey
 from privacy.secagg.workers import default_threads
 
 CLIENT_ERROR = 1  # Error code carried by replies of a ClientApp that raised
+CohortHook = Callable[[list[tuple[Message, Context]]], None]
 
 
 def _private_records(content: RecordDict) -> RecordDict:
@@ -35,10 +36,35 @@ def _private_records(content: RecordDict) -> RecordDict:
 
     A server may send one content object to every node; a ClientApp or mod that edits
     its ConfigRecord (Flower's secaggplus_mod pops keys) must not change what the next
-    node receives, as it could not over a network.
+    node receives, as it could not over a network. The records were checked when the
+    server made them, so the copy takes their entries as they are instead of checking
+    each one again (which cost more than the rest of a message's delivery).
     """
-    return RecordDict({key: value if isinstance(value, ArrayRecord) else type(value)(dict(value))
-                       for key, value in content.items()})
+    copy = RecordDict()
+    entries = _entries(copy)
+    if entries is None:  # not the TypedDict layout this was written for: copy the slow way
+        return RecordDict({key: value if isinstance(value, ArrayRecord)
+                           else type(value)(dict(value)) for key, value in content.items()})
+    for key, value in content.items():
+        entries[key] = value if isinstance(value, ArrayRecord) else _copy_record(value)
+    return copy
+
+
+def _entries(record: Any) -> dict[str, Any] | None:
+    """The dict a Flower record keeps its entries in (``flwr``'s TypedDict), or None."""
+    data = record.__dict__.get("_data")
+    return data if isinstance(data, dict) else None
+
+
+def _copy_record(record: Any) -> Any:
+    """A copy of a Config or Metric record, made without checking its entries again."""
+    entries = _entries(record)
+    if entries is None:
+        return type(record)(dict(record))
+    copy = object.__new__(type(record))
+    copy.__dict__.update(record.__dict__)
+    copy.__dict__["_data"] = dict(entries)
+    return copy
 
 
 class InProcessGrid(Grid):
@@ -49,12 +75,16 @@ class InProcessGrid(Grid):
 
     def __init__(self, client_app: ClientApp, num_nodes: int, *, run_id: int = 1,
                  run_config: dict[str, Any] | None = None,
-                 mask_threads: int | None = None) -> None:
+                 mask_threads: int | None = None,
+                 cohort_hook: CohortHook | None = None) -> None:
         """``mask_threads``: the nodes' ``mask-threads`` (default: 1 if nodes run at once,
-        else the cores this process may use)."""
+        else the cores this process may use). ``cohort_hook``: called with every
+        (message, context) a pull is about to deliver, before the first is delivered, so
+        that it can train them together (``client.vectorized``); it must not fail."""
         if num_nodes < 1:
             raise ValueError(f"the in-process engine needs at least one node, got {num_nodes}")
         self._client_app = client_app
+        self._cohort_hook = cohort_hook
         self._run = Run.create_empty(run_id)
         if mask_threads is None:
             mask_threads = 1 if self.concurrent else default_threads()
@@ -105,7 +135,11 @@ class InProcessGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
         """Run the ClientApp for each requested queued message, yielding its reply."""
-        for msg_id in list(message_ids):
+        ids = [msg_id for msg_id in message_ids if msg_id in self._queue]
+        if self._cohort_hook is not None and ids:
+            self._cohort_hook([(self._queue[i], self._contexts[self._queue[i].metadata.dst_node_id])
+                               for i in ids])
+        for msg_id in ids:
             msg = self._queue.pop(msg_id, None)
             if msg is not None:
                 yield self._deliver(msg_id, msg)

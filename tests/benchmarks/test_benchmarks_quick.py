@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +29,14 @@ def positive(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+PFL_PYTHON = os.environ.get("PFL_PYTHON")  # an interpreter with pfl[pytorch]==0.6.0
+
+
 @pytest.mark.slow
 def test_simulation_overhead_quick() -> None:
-    result = run_quick("simulation_overhead.py")
+    pfl = PFL_PYTHON is not None and Path(PFL_PYTHON).exists()
+    result = run_quick("simulation_overhead.py", timeout=400,
+                       extra=("--pfl-python", str(PFL_PYTHON)) if pfl else ())
     assert result["benchmark"] == "simulation_overhead" and result["quick"] is True
     for key in ("platform", "cpus", "torch", "flwr"):
         assert key in result["machine"]
@@ -47,6 +53,19 @@ def test_simulation_overhead_quick() -> None:
         assert positive(cold[key]), (key, cold[key])
     for target in result["targets"].values():
         assert target["met"] in (True, False, None)
+    pfl_part = result["pfl_workload"]
+    [row] = pfl_part["rows"]
+    assert pfl_part["pfl"] is pfl and row["clients"] == 10 and row["params"] == 9610
+    systems = {"fedring", "fedring_vectorized"} | ({"pfl"} if pfl else set())
+    assert set(row["wall_ratio_to_bare"]["median"]) == systems
+    for ratios in (row["wall_ratio_to_bare"]["median"], row["cpu_ratio_to_bare"]["median"]):
+        assert all(positive(r) for r in ratios.values()), ratios
+    assert row["fedring_vs_bare_max_abs_diff"] < 1e-4  # sequential and vectorized alike
+    for target in pfl_part["targets"].values():
+        assert target["met"] in (True, False, None)
+    [memory] = result["population_memory"]
+    assert memory["users"] == 300 and memory["partitions"] == 300
+    assert memory["peak_rss"] > memory["rss_before"] > 0 and memory["data_bytes"] > 0
 
 
 @pytest.mark.slow

@@ -340,3 +340,38 @@ def test_dataset_validates_fields():
         Dataset("t", x, y + 2, x, y, num_classes=2, input_shape=(2,))
     with pytest.raises(ValueError, match="groups"):
         Dataset("t", x, y, x, y, num_classes=2, input_shape=(2,), groups=np.zeros(3, np.int64))
+
+
+def test_synthetic_loader_fills_float32_outputs_with_a_peak_under_twice_the_data() -> None:
+    """The loader writes each user's samples straight into float32 outputs: the same split
+    as holding every user in float64 and concatenating, at a fraction of the memory."""
+    import tracemalloc
+
+    from simulations.datasets import generate_synthetic, load_dataset
+
+    kwargs = {"alpha": 0.5, "beta": 0.5, "num_users": 300}
+    tracemalloc.start()
+    try:
+        ds = load_dataset("synthetic", seed=3, test_fraction=0.25, **kwargs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    data = sum(a.nbytes for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test, ds.groups))
+    assert ds.x_train.dtype == ds.x_test.dtype == np.float32
+    assert peak < 2 * data, (peak, data)
+    # the reference: every user in float64, split by the same child stream, concatenated
+    xs, ys = generate_synthetic(seed=3, **kwargs)
+    split_rng = np.random.default_rng([3, 1])
+    tr_x, tr_y, te_x, groups = [], [], [], []
+    for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        n_test = min(round(0.25 * len(y)), len(y) - 1)
+        perm = split_rng.permutation(len(y))
+        tr, te = np.sort(perm[n_test:]), np.sort(perm[:n_test])
+        tr_x.append(x[tr])
+        tr_y.append(y[tr])
+        te_x.append(x[te])
+        groups.append(np.full(len(tr), k))
+    np.testing.assert_array_equal(ds.x_train, np.concatenate(tr_x).astype(np.float32))
+    np.testing.assert_array_equal(ds.y_train, np.concatenate(tr_y))
+    np.testing.assert_array_equal(ds.x_test, np.concatenate(te_x).astype(np.float32))
+    np.testing.assert_array_equal(ds.groups, np.concatenate(groups))

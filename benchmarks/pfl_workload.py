@@ -1,0 +1,323 @@
+"""pfl-research's benchmark workload: a pfl-style bare loop, fedring and pfl, alternated.
+
+The workload (pfl 0.6's own benchmark): digits split IID into 100 clients, an MLP
+64-128-10 (9,610 parameters) or 64-960-960-10 (994,570), one local epoch of SGD
+(lr 0.05, batch 32, no momentum), every client every round, central evaluation on the
+test set after every round. Each system's figure is the median wall time of its warm
+rounds (the first round of a run is dropped), evaluation included:
+
+- bare: a sequential torch loop written the way pfl's benchmark writes it: one model and
+  one optimizer reused for every client, each client's tensors built before the first
+  round, the weighted delta accumulated in place into one running sum; then the FedAvg
+  step and the central evaluation. Same seeds and batches as fedring, so both must end
+  with the same model (the largest difference is reported as a check).
+- fedring: ``run_simulation`` on the in-process engine with the scenario's defaults
+  (SQLite store, a checkpoint every round), timed from one ``round_finished`` to the next;
+  ``fedring_vectorized`` is the same with ``[engine] vectorize = true``.
+- fedring_baseline (given ``--fedring-baseline PATH``, a checkout of an earlier fedring,
+  e.g. ``git worktree add /tmp/before <commit>``): the same fedring run, in a child
+  process importing that checkout: the before/after of a change in one run.
+- pfl: ``benchmarks/pfl_runner.py`` in the interpreter given (pfl's own venv), on the same
+  partitions, test set and initial weights.
+
+The systems run one after the other, ``reps`` times, and every figure is a ratio to the
+bare loop of the same repetition, so a machine whose load drifts weighs on both. Each
+round is timed twice: wall time (the workload's measure) and the process's CPU time
+(all its threads: fedring's store writer included), which a machine shared with other
+work disturbs far less; every process runs torch on one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import log
+
+RUNNER = Path(__file__).resolve().parent / "pfl_runner.py"
+PFL_SIZES = {"10k": [128], "1m": [960, 960]}  # 9,610 and 994,570 parameters on digits
+WORKLOAD = {"data.partitioner": "iid", "train.local_epochs": 1, "train.batch_size": 32,
+            "train.lr": 0.05, "train.optimizer": "sgd", "train.momentum": 0.0}
+TARGET_RATIO = {"10k": 1.5, "1m": 1.15}  # fedring / bare, at most
+TARGET_VECTORIZED_10K = 1.0  # fedring vectorized / bare at 10k parameters, below
+
+
+def scenario(clients: int, hidden: list[int], rounds: int,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    from simulations.config import load_scenario
+
+    return load_scenario("default", values={**WORKLOAD, "model.hidden": list(hidden),
+                                            "federation.clients": clients,
+                                            "federation.rounds": rounds, **(extra or {})})
+
+
+Rounds = tuple[list[float], list[float]]  # wall and CPU seconds of each round
+
+
+def warm_median(round_s: list[float]) -> float:
+    warm = round_s[1:] or round_s
+    return statistics.median(warm) if warm else math.nan
+
+
+class Clock:
+    """Wall and CPU time between successive marks."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._last: tuple[float, float] | None = None
+
+    def mark(self) -> None:
+        now = (time.perf_counter(), time.process_time())
+        if self._last is not None:
+            self.wall.append(now[0] - self._last[0])
+            self.cpu.append(now[1] - self._last[1])
+        self._last = now
+
+    def rounds(self) -> Rounds:
+        return self.wall, self.cpu
+
+
+class PflStyleBare:
+    """The bare loop as pfl's benchmark writes it (see the module docstring)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import torch
+
+        from client.app import training_seed
+        from client.flat_model import FlatModel
+        from simulations.task import ScenarioTask
+
+        self._torch, self._seed_of = torch, training_seed
+        self.task = ScenarioTask.from_config(config)
+        self.model = FlatModel(self.task.build_model())
+        self.flat = self.model.flat
+        self.global_w = self.flat.clone()
+        self.acc = torch.empty_like(self.flat)
+        cfg = self.task.train_config
+        self.opt = torch.optim.SGD(self.model.module.parameters(), lr=cfg.lr)
+        self.data = [self.task.partition(pid) for pid in range(self.task.clients)]
+        ds = self.task.dataset
+        self.test = (torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
+
+    def run(self, rounds: int) -> Rounds:
+        """Wall and CPU seconds of each round, central evaluation included."""
+        from torch.nn import functional as F
+
+        from client.training import evaluate
+
+        torch, module, opt = self._torch, self.model.module, self.opt
+        batch = self.task.train_config.batch_size
+        clock = Clock()
+        clock.mark()
+        for rnd in range(1, rounds + 1):
+            self.acc.zero_()
+            total = 0
+            module.train()
+            for pid, (x, y) in enumerate(self.data):
+                self.flat.copy_(self.global_w)
+                gen = torch.Generator().manual_seed(self._seed_of(self.task.seed, rnd, pid))
+                order = torch.randperm(len(x), generator=gen)
+                for start in range(0, len(x), batch):
+                    idx = order[start:start + batch]
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(module(x[idx]), y[idx]).backward()
+                    opt.step()
+                with torch.no_grad():
+                    self.flat.sub_(self.global_w)  # the delta, in place
+                    self.acc.add_(self.flat, alpha=float(len(x)))
+                total += len(x)
+            with torch.no_grad():
+                self.global_w.add_(self.acc, alpha=1.0 / total)
+                self.flat.copy_(self.global_w)
+            evaluate(module, *self.test)
+            clock.mark()
+        return clock.rounds()
+
+
+def run_fedring(config: dict[str, Any], folder: str) -> tuple[Rounds, Any]:
+    """Round times of ``run_simulation`` (in-process) and the final model."""
+    from server.reporter import Reporter
+    from simulations.cli import run_simulation
+    from simulations.task import ScenarioTask
+
+    clock = Clock()
+
+    class Marks(Reporter):
+        def run_started(self, run_id: str, config: dict[str, Any]) -> None:
+            clock.mark()  # after the round-0 evaluation
+
+        def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
+            clock.mark()
+
+    last: list[Any] = []
+    evaluate = ScenarioTask.evaluate
+
+    def keep_last(task: ScenarioTask, params: Any) -> dict[str, float]:
+        last[:] = [params]  # the server's model, updated in place: ends as the final one
+        return evaluate(task, params)
+
+    rep = Marks()
+    url = f"sqlite:///{os.path.join(folder, f'pfl-{time.time_ns()}.db')}"
+    ScenarioTask.evaluate = keep_last  # type: ignore[method-assign]
+    try:
+        run_simulation(config, engine="inprocess", db=url, reporter=rep)
+    finally:
+        ScenarioTask.evaluate = evaluate  # type: ignore[method-assign]
+    return clock.rounds(), last[0]
+
+
+def run_fedring_baseline(config: dict[str, Any], tree: str, folder: str) -> Rounds:
+    """``run_fedring`` in a child process that imports fedring from ``tree``."""
+    path = os.path.join(folder, "config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, __file__, "--fedring-child", path, folder],
+                         capture_output=True, text=True, env=env, cwd=tree)
+    if out.returncode != 0:
+        raise RuntimeError(f"the baseline fedring failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["round_s"], got["round_cpu_s"]
+
+
+def write_workload(config: dict[str, Any], path: str) -> None:
+    """Every client's partition, the test set and the initial weights, for pfl's runner."""
+    import numpy as np
+
+    from simulations.task import ScenarioTask
+
+    task = ScenarioTask.from_config(config)
+    ds = task.dataset
+    arrays: dict[str, Any] = {"clients": np.array(task.clients),
+                              "num_classes": np.array(ds.num_classes),
+                              "x_test": ds.x_test, "y_test": ds.y_test,
+                              "w0": task.initial_params()[0]}
+    for pid in range(task.clients):
+        x, y = task.partition(pid)
+        arrays[f"x{pid}"], arrays[f"y{pid}"] = x.numpy(), y.numpy()
+    np.savez(path, **arrays)
+
+
+def run_pfl(python: str, workload: str, hidden: list[int], rounds: int,
+            threads: int) -> Rounds:
+    cmd = [python, str(RUNNER), workload, "--rounds", str(rounds), "--hidden",
+           *map(str, hidden), "--lr", str(WORKLOAD["train.lr"]),
+           "--batch", str(WORKLOAD["train.batch_size"]), "--threads", str(threads)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # pfl's venv only
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"pfl's runner failed:\n{out.stderr[-3000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return got["round_s"], got["round_cpu_s"]
+
+
+def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str | None,
+            threads: int, vectorized: bool, baseline: str | None = None) -> dict[str, Any]:
+    """One size: each system's median warm round per repetition and its ratio to bare."""
+    import numpy as np
+
+    hidden = PFL_SIZES[size]
+    config = scenario(clients, hidden, rounds)
+    vec_config = scenario(clients, hidden, rounds, {"engine.vectorize": True}) if vectorized \
+        else None
+    per_rep: list[dict[str, float]] = []
+    diffs: list[float] = []
+    with tempfile.TemporaryDirectory() as folder:
+        workload = os.path.join(folder, "workload.npz")
+        if pfl_python:
+            write_workload(config, workload)
+        for _ in range(reps):
+            row: dict[str, float] = {}
+
+            def put(system: str, rounds_: Rounds, row: dict[str, float] = row) -> None:
+                row[f"{system}_s"] = warm_median(rounds_[0])
+                row[f"{system}_cpu_s"] = warm_median(rounds_[1])
+
+            bare = PflStyleBare(config)
+            put("bare", bare.run(rounds))
+            times, final = run_fedring(config, folder)
+            put("fedring", times)
+            diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
+            if baseline:
+                put("fedring_baseline", run_fedring_baseline(config, baseline, folder))
+            if vec_config is not None:
+                times, final = run_fedring(vec_config, folder)
+                put("fedring_vectorized", times)
+                diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
+            if pfl_python:
+                put("pfl", run_pfl(pfl_python, workload, hidden, rounds, threads))
+            per_rep.append(row)
+    dim = int(bare.flat.numel())
+    systems = [k[:-2] for k in per_rep[0] if k.endswith("_s") and not k.endswith("cpu_s")
+               and k != "bare_s"]
+    ratios = {s: [r[f"{s}_s"] / r["bare_s"] for r in per_rep] for s in systems}
+    cpu_ratios = {s: [r[f"{s}_cpu_s"] / r["bare_cpu_s"] for r in per_rep] for s in systems}
+
+    def summary(xs: dict[str, list[float]]) -> dict[str, Any]:
+        return {"per_rep": {s: [float(f"{x:.3g}") for x in v] for s, v in xs.items()},
+                "median": {s: float(f"{statistics.median(v):.3g}") for s, v in xs.items()}}
+
+    result: dict[str, Any] = {
+        "size": size, "clients": clients, "hidden": hidden, "params": dim, "rounds": rounds,
+        "reps": reps, "per_rep_s": [{k: float(f"{v:.4g}") for k, v in r.items()} for r in per_rep],
+        "wall_ratio_to_bare": summary(ratios), "cpu_ratio_to_bare": summary(cpu_ratios),
+        "fedring_vs_bare_max_abs_diff": float(f"{max(diffs):.3g}"),
+    }
+
+    def shown(xs: dict[str, list[float]]) -> str:
+        return ", ".join(f"{s} {min(v):.2f}-{max(v):.2f}x" for s, v in xs.items())
+
+    log(f"pfl workload N={clients} d={dim:,}: bare "
+        f"{statistics.median(r['bare_s'] for r in per_rep) * 1e3:.1f} ms/round (CPU "
+        f"{statistics.median(r['bare_cpu_s'] for r in per_rep) * 1e3:.1f}); wall: "
+        f"{shown(ratios)}; CPU: {shown(cpu_ratios)}; fedring vs bare max |diff| "
+        f"{result['fedring_vs_bare_max_abs_diff']}")
+    return result
+
+
+def pfl_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """fedring's ratio targets, by the median over repetitions of the wall-time ratio and
+    of the CPU-time ratio (None: size not run)."""
+    out: dict[str, Any] = {}
+    wall = {r["size"]: r["wall_ratio_to_bare"]["median"] for r in rows}
+    cpu = {r["size"]: r["cpu_ratio_to_bare"]["median"] for r in rows}
+
+    def target(name: str, size: str, system: str, ok: Any) -> None:
+        w, c = wall.get(size, {}).get(system), cpu.get(size, {}).get(system)
+        out[name] = {"met": None if w is None else bool(ok(w)),
+                     "met_in_cpu_time": None if c is None else bool(ok(c)),
+                     "wall_ratio": w, "cpu_ratio": c}
+
+    for size, bound in TARGET_RATIO.items():
+        target(f"fedring_at_most_{bound}x_bare_at_{size}", size, "fedring",
+               lambda r, b=bound: r <= b)
+    target("fedring_vectorized_below_bare_at_10k", "10k", "fedring_vectorized",
+           lambda r: r < TARGET_VECTORIZED_10K)
+    return out
+
+
+def fedring_child(config_path: str, folder: str) -> None:
+    """In a child process: ``run_fedring`` on a resolved config; print its round times."""
+    import torch
+
+    torch.set_num_threads(1)
+    with open(config_path) as f:
+        config = json.load(f)
+    wall, cpu = run_fedring(config, folder)[0]
+    print(json.dumps({"round_s": wall, "round_cpu_s": cpu}), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--fedring-child":
+        fedring_child(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("run benchmarks/simulation_overhead.py --pfl-workload-only")

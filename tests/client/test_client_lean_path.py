@@ -1,0 +1,121 @@
+"""The lean per-client path: one optimizer per worker reset for each client, the global
+model flattened once per round, and in-process records copied without re-checking."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from client.flat_model import FlatModel
+from client.protocol.train import train_config
+from client.protocol.updates import model_record
+from client.training import TrainConfig, make_optimizer, train
+from server.replies import decode_train_reply
+from simulations.apps import client_app
+from simulations.config import load_scenario
+from simulations.inprocess import InProcessGrid, _private_records
+from simulations.task import ScenarioTask
+
+OPTIMIZERS = [TrainConfig(optimizer="sgd", momentum=0.9, lr=0.05, local_epochs=2),
+              TrainConfig(optimizer="sgd", momentum=0.5, weight_decay=1e-3, lr=0.05),
+              TrainConfig(optimizer="adam", lr=0.01, local_epochs=2)]
+
+
+def _model() -> FlatModel:
+    torch.manual_seed(0)
+    return FlatModel(torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(),
+                                         torch.nn.Linear(8, 3)))
+
+
+def _clients() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+            for n in (40, 23, 57)]
+
+
+@pytest.mark.parametrize("cfg", OPTIMIZERS, ids=["momentum", "weight-decay", "adam"])
+def test_a_reused_optimizer_trains_each_client_as_a_fresh_one(cfg: TrainConfig) -> None:
+    fresh, reused = _model(), _model()
+    start = fresh.flat.clone()
+    opt = make_optimizer(list(reused.module.parameters()), cfg)
+    for i, (x, y) in enumerate(_clients()):
+        fresh.flat.copy_(start)
+        reused.flat.copy_(start)
+        loss_fresh = train(fresh.module, x, y, cfg, seed=i)
+        loss_reused = train(reused.module, x, y, cfg, seed=i, optimizer=opt)
+        assert loss_fresh == loss_reused
+        assert torch.equal(fresh.flat, reused.flat), f"client {i} differs"
+        assert opt.state  # the state a client built is there until the next one starts
+
+
+CONFIG = load_scenario("default", ["federation.clients=3", "train.local_epochs=1",
+                                   "data.partitioner=iid", "train.momentum=0.9"])
+TASK = ScenarioTask.from_config(CONFIG)
+TASK_JSON = json.dumps(TASK.task_spec(), sort_keys=True)
+
+
+def _send(record, node: int, rnd: int) -> np.ndarray:
+    grid = InProcessGrid(client_app, 3)
+    content = RecordDict({"arrays": record, "config": train_config(rnd, rnd, TASK_JSON, 0)})
+    [msg_id] = grid.push_messages([Message(content, node, "train", group_id=str(rnd))])
+    [reply] = grid.pull_messages([msg_id])
+    assert not reply.has_error(), reply.error
+    params, layout = TASK.initial_params()
+    return decode_train_reply(reply, client_id=str(node), layout=layout, base_params=params,
+                              version=rnd).delta.copy()
+
+
+def test_deltas_are_against_the_model_each_message_carries() -> None:
+    """The worker keeps the last record flattened; a new record (a new round's model) is
+    read again, and a client trains from it, not from the previous round's model."""
+    params, layout = TASK.initial_params()
+    first = model_record(layout, params)
+    moved = params + np.float32(0.25)
+    second = model_record(layout, moved)
+    a = _send(first, 1, 1)
+    b = _send(second, 1, 1)  # same client and seed, another model
+    again = _send(first, 1, 1)
+    assert np.array_equal(a, again)  # back on the first record: the same training
+    assert not np.array_equal(a, b)
+    # ``b`` equals training from ``moved`` directly, as a fresh model would
+    model = FlatModel(TASK.build_model())
+    model.load(moved)
+    x, y = TASK.partition(0)
+    from client.app import training_seed
+    train(model.module, x, y, TASK.train_config, seed=training_seed(TASK.seed, 1, 0))
+    np.testing.assert_array_equal(b, model.flat_np - moved)
+
+
+def test_in_process_records_are_private_copies() -> None:
+    config = ConfigRecord({"a": 1, "b": "x"})
+    metrics = MetricRecord({"m": 1.5})
+    content = RecordDict({"config": config, "metrics": metrics})
+    copy = _private_records(content)
+    copy["config"].pop("a")
+    copy["metrics"]["m"] = 2.0
+    copy["config"]["c"] = 3
+    assert dict(config) == {"a": 1, "b": "x"} and dict(metrics) == {"m": 1.5}
+    assert type(copy["config"]) is ConfigRecord and type(copy["metrics"]) is MetricRecord
+    with pytest.raises(TypeError):  # the copy still checks what is put into it
+        copy["config"]["d"] = object()
+
+
+def test_a_message_still_runs_when_the_worker_model_was_left_in_eval_mode() -> None:
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 3},
+                  state=RecordDict(), run_config={})
+    params, layout = TASK.initial_params()
+    InProcessGrid(client_app, 1)
+    msg = Message(RecordDict({"arrays": model_record(layout, params),
+                              "config": train_config(1, 1, TASK_JSON, 0)}), 1, "train",
+                  group_id="1")
+    msg.metadata.__dict__["_message_id"] = "m1"
+    from client.app import _WORKERS
+    client_app(msg, ctx)
+    worker = next(iter(_WORKERS.values()))
+    worker.model.module.eval()
+    client_app(msg, ctx)
+    assert worker.model.module.training
