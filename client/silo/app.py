@@ -162,6 +162,7 @@ class SiloClient(FedringClient):
         flatten_model(base, model.layout, out=model.flat_np)
         delta = worker.delta
         np.copyto(delta, model.flat_np)  # the global model, until the delta replaces it
+        base_flat = delta.copy()  # kept for a full-weights reply
         fedbn = config.get(ConfigKey.LOCAL_BUFFERS) is True
         local_state.restore(context.state, model, fedbn)  # this silo's own buffers
         worker.to_module()
@@ -186,7 +187,8 @@ class SiloClient(FedringClient):
             delta, _ = local_dp_update(delta, clip, z, noise_rng())
         tamper = getattr(worker.task, "tamper", None)  # simulated attackers only
         tampered = bool(tamper(pid, delta, seed)) if tamper is not None else False
-        return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base, model=model,
+        return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
+                           base_flat=base_flat, trained=model.flat_np, model=model,
                            partition_id=pid,
                            noised=worker.task.local_dp is not None or tampered)
 
