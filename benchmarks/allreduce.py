@@ -164,9 +164,9 @@ def model_errors(rows: list[dict[str, object]],
     """Each measured cell against its algorithm's fitted model: (predicted - measured) /
     measured."""
     return [{"n": r["n"], "size_bytes": r["size_bytes"], "algorithm": r["algorithm"],
-             "measured_s": round(r["time_s"], 6),
+             "measured_s": round(r["time_s"], 9),
              "predicted_s": round(predict(models[r["algorithm"]], r["algorithm"], r["n"],
-                                          r["size_bytes"]), 6),
+                                          r["size_bytes"]), 9),
              "rel_error": round(predict(models[r["algorithm"]], r["algorithm"], r["n"],
                                         r["size_bytes"]) / r["time_s"] - 1, 3)}
             for r in rows]
