@@ -10,7 +10,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from aggregation.ring import RingError, RingTimeout, allreduce, exchange, weighted_mean
 from aggregation.ring.alltoall import all_to_all
-from aggregation.ring.channel import Channel
+from aggregation.ring.channel import Channel, Pending
 from aggregation.ring.halving import halving_doubling
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.ring import ring_stepwise
@@ -452,4 +452,24 @@ def family(rank: int, n: int) -> dict[str, object]:
                 if not torch.equal(got, expected):
                     fails[alg].append(f"masked {name}/L={length}: {int((got != expected).sum())} "
                                       "elements differ from the plain sum mod 2^32")
-    return {"fails": fails, "digests": digests}
+    sent = {alg: _elements_sent(alg) for alg in FAMILY}
+    return {"fails": fails, "digests": digests, "sent": sent}
+
+
+def _elements_sent(alg: str, length: int = 840 * 7) -> int:
+    """Elements this rank sends in one allreduce of ``length`` float32 (whole messages)."""
+    sent = 0
+    post = Channel.post
+
+    def counting(self: Channel, step: str, sends: Sequence = (),
+                 recvs: Sequence = ()) -> Pending:
+        nonlocal sent
+        sent += sum(t.numel() for t, _ in sends)
+        return post(self, step, sends, recvs)
+
+    Channel.post = counting  # type: ignore[method-assign]
+    try:
+        allreduce(torch.ones(length), algorithm=alg, segment_bytes=None)
+    finally:
+        Channel.post = post  # type: ignore[method-assign]
+    return sent
