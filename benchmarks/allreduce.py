@@ -1,4 +1,7 @@
-"""Allreduce bandwidth on gloo/CPU: pipelined ring vs native gloo, tree and master-worker.
+"""Allreduce bandwidth on gloo/CPU: pipelined ring vs native gloo and the other algorithms.
+
+Measured: ring (pipelined, out of place and in place, and unpipelined), native gloo,
+tree (recursive doubling), halving_doubling (Rabenseifner), all_to_all and master-worker.
 
 For each world size n (one process per rank, loopback TCP) and message size S
 (float32) it times every algorithm, round-robin and barrier-separated, after a
@@ -8,7 +11,9 @@ the figure least disturbed by other load). It reports algorithm bandwidth S/t
 and bus bandwidth 2(n-1)/n * S/t, the CPU seconds all ranks spent per
 allreduce, then fits an
 alpha-beta model per algorithm (alpha per message on the critical path, beta
-per byte) and extrapolates to 64..1024 silos at 64 MiB.
+per byte), reports how far each fitted model is from each measured cell, and
+extrapolates to 64..1024 silos at 64 KiB..64 MiB: which algorithm wins each cell
+and by how much (``--plot PATH`` draws the predictions).
 
 "native" is ``dist.all_reduce`` in place; the others are
 ``aggregation.ring.allreduce(x, out=y)``; "ring_unpipelined" sends whole chunks
@@ -16,6 +21,7 @@ one ring step after another. CUDA paths are not measured here.
 
     python benchmarks/allreduce.py            # n = 2, 4, 8; S = 1, 16, 64 MiB
     python benchmarks/allreduce.py --quick    # n = 2, 3; S = 64 KiB, 1 MiB
+    python benchmarks/allreduce.py --plot docs/allreduce_model.png
 
 Prints a table, then one JSON object on the last line.
 """
@@ -41,11 +47,18 @@ from ring_launch import launch
 from aggregation.ring import DEFAULT_SEGMENT_BYTES, DEFAULT_WINDOW, allreduce
 
 MIB = 1 << 20
-ALGORITHMS = ("ring", "ring_inplace", "native", "tree", "master", "ring_unpipelined")
+ALGORITHMS = ("ring", "ring_inplace", "native", "tree", "halving_doubling",
+              "halving_doubling_inplace", "all_to_all", "master", "ring_unpipelined")
+# The algorithms compared in the predictions (the ring variants share the ring's terms).
+CONTENDERS = ("ring", "native", "tree", "halving_doubling", "all_to_all", "master")
 PREDICT_N = (64, 128, 256, 512, 1024)
 PREDICT_BYTES = 64 * MIB
+PREDICT_SIZES = (64 << 10, MIB, 16 * MIB, 64 * MIB)
 TARGET_RATIO = 0.95
 TARGET_MIN_BYTES = 4 * MIB
+HD_TARGET_N = (2, 4)
+HD_TARGET_BYTES = (16 * MIB, 64 * MIB)
+MODEL_TARGET_REL_ERROR = 0.25
 
 
 def _callables(x: torch.Tensor, y: torch.Tensor, segment_bytes: int,
@@ -58,6 +71,12 @@ def _callables(x: torch.Tensor, y: torch.Tensor, segment_bytes: int,
         "native": partial(dist.all_reduce, y),
         "tree": partial(allreduce, x, out=y, algorithm="tree", segment_bytes=segment_bytes,
                         window=window),
+        "halving_doubling": partial(allreduce, x, out=y, algorithm="halving_doubling",
+                                    segment_bytes=segment_bytes, window=window),
+        "halving_doubling_inplace": partial(allreduce, y, out=y, algorithm="halving_doubling",
+                                            segment_bytes=segment_bytes, window=window),
+        "all_to_all": partial(allreduce, x, out=y, algorithm="all_to_all",
+                              segment_bytes=segment_bytes, window=window),
         "master": partial(allreduce, x, out=y, algorithm="master",
                           segment_bytes=segment_bytes, window=window),
         "ring_unpipelined": partial(allreduce, x, out=y, segment_bytes=None),
@@ -104,20 +123,35 @@ def cost_terms(algorithm: str, n: int) -> tuple[float, float]:
     """(messages, bytes per byte of S) on the critical path, textbook step counts."""
     if algorithm in ("ring", "ring_inplace", "native", "ring_unpipelined"):
         return 2 * (n - 1), 2 * (n - 1) / n
+    p = 1 << (n.bit_length() - 1)
+    fold = 2 if p != n else 0  # non-powers of two: the extra ranks' vector in and out
     if algorithm == "tree":
-        p = 1 << (n.bit_length() - 1)
-        steps = int(math.log2(p)) + (2 if p != n else 0)
+        steps = int(math.log2(p)) + fold
         return steps, steps
+    if algorithm in ("halving_doubling", "halving_doubling_inplace"):
+        return 2 * int(math.log2(p)) + fold, 2 * (p - 1) / p + fold
+    if algorithm == "all_to_all":
+        return 2 * (n - 1), 2 * (n - 1) / n
     if algorithm == "master":
         return 2 * (n - 1), 2 * (n - 1)
     raise ValueError(algorithm)
 
 
-def fit_alpha_beta(rows: list[dict[str, object]], algorithm: str) -> dict[str, float]:
-    """Least squares (on relative error) of t = alpha * messages + beta * bytes, both >= 0."""
+def sharing(n: int, cores: int | None, gamma: float) -> float:
+    """How much slower each rank runs when ``n`` ranks share ``cores`` cores:
+    ``(n / cores) ** gamma``, at least 1; 1 without ``cores`` (a silo per machine)."""
+    return 1.0 if cores is None else max(1.0, n / cores) ** gamma
+
+
+def fit_alpha_beta(rows: list[dict[str, object]], algorithm: str, cores: int | None = None,
+                   gamma: float = 0.0) -> dict[str, float]:
+    """Least squares (on relative error) of t = sharing * (alpha * messages + beta * bytes),
+    alpha and beta >= 0, with ``sharing(n, cores, gamma)`` the slow-down of ranks sharing
+    this machine's cores (``gamma = 0``: the plain alpha-beta model)."""
     pts = [r for r in rows if r["algorithm"] == algorithm]
     a = np.array([[cost_terms(algorithm, r["n"])[0], cost_terms(algorithm, r["n"])[1]
                    * r["size_bytes"]] for r in pts], dtype=float)
+    a *= np.array([sharing(r["n"], cores, gamma) for r in pts])[:, None]
     t = np.array([r["time_s"] for r in pts], dtype=float)
     w = 1.0 / t
     coef, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
@@ -129,12 +163,83 @@ def fit_alpha_beta(rows: list[dict[str, object]], algorithm: str) -> dict[str, f
     rel = np.abs(a @ coef - t) / t
     return {"alpha_s": float(coef[0]), "beta_s_per_byte": float(coef[1]),
             "beta_GBps": (1 / coef[1] / 1e9) if coef[1] > 0 else None,
-            "median_rel_error": float(np.median(rel)), "max_rel_error": float(rel.max())}
+            "median_rel_error": float(np.median(rel)), "max_rel_error": float(rel.max()),
+            "sum_sq_rel_error": float((rel ** 2).sum()), "sharing_gamma": gamma}
 
 
-def predict(model: dict[str, float], algorithm: str, n: int, size: int) -> float:
+def fit_sharing(rows: list[dict[str, object]], cores: int) -> float:
+    """The one ``gamma`` (0 to 2, steps of 0.05) for this machine that, with alpha and beta
+    fitted per algorithm, minimises the squared relative error over every measured cell."""
+    algorithms = sorted({r["algorithm"] for r in rows})
+    grid = [round(0.05 * k, 2) for k in range(41)]
+    return min(grid, key=lambda g: sum(fit_alpha_beta(rows, a, cores, g)["sum_sq_rel_error"]
+                                       for a in algorithms))
+
+
+def predict(model: dict[str, float], algorithm: str, n: int, size: int,
+            cores: int | None = None) -> float:
+    """Predicted time; ``cores``: ranks share that many cores (the measuring machine),
+    ``None``: every rank has its own machine (silos)."""
     msgs, per_byte = cost_terms(algorithm, n)
-    return model["alpha_s"] * msgs + model["beta_s_per_byte"] * per_byte * size
+    return sharing(n, cores, model["sharing_gamma"]) * (
+        model["alpha_s"] * msgs + model["beta_s_per_byte"] * per_byte * size)
+
+
+def model_errors(rows: list[dict[str, object]], models: dict[str, dict[str, float]],
+                 cores: int) -> list[dict[str, object]]:
+    """Each measured cell against its algorithm's fitted model on this machine:
+    (predicted - measured) / measured."""
+    errors = []
+    for r in rows:
+        t = predict(models[r["algorithm"]], r["algorithm"], r["n"], r["size_bytes"], cores)
+        errors.append({"n": r["n"], "size_bytes": r["size_bytes"], "algorithm": r["algorithm"],
+                       "measured_s": round(r["time_s"], 9), "predicted_s": round(t, 9),
+                       "rel_error": round(t / r["time_s"] - 1, 3)})
+    return errors
+
+
+def winners(models: dict[str, dict[str, float]]) -> list[dict[str, object]]:
+    """For each predicted (n, size): the fastest algorithm and its lead over the runner-up."""
+    table = []
+    for size in PREDICT_SIZES:
+        for n in PREDICT_N:
+            times = sorted((predict(models[a], a, n, size), a) for a in CONTENDERS)
+            (best_t, best), (second_t, second) = times[0], times[1]
+            table.append({"n": n, "size_bytes": size, "winner": best,
+                          "time_s": round(best_t, 4), "runner_up": second,
+                          "runner_up_s": round(second_t, 4),
+                          "speedup_over_runner_up": round(second_t / best_t, 3) if best_t > 0
+                          else None,
+                          "time_s_by_algorithm": {a: round(t, 4) for t, a in times}})
+    return table
+
+
+def plot(models: dict[str, dict[str, float]], path: str) -> None:
+    """Predicted time against the number of silos, one panel per message size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [2 ** k for k in range(1, 11)] + [48, 96, 192, 384, 768]
+    ns.sort()
+    fig, axes = plt.subplots(1, len(PREDICT_SIZES), figsize=(4 * len(PREDICT_SIZES), 4),
+                             sharex=True)
+    for ax, size in zip(axes, PREDICT_SIZES, strict=True):
+        for alg in CONTENDERS:
+            ax.plot(ns, [predict(models[alg], alg, n, size) for n in ns], marker=".",
+                    label=alg)
+        ax.axvspan(min(PREDICT_N), max(PREDICT_N), color="0.92")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{size / MIB:g} MiB" if size >= MIB else f"{size >> 10} KiB")
+        ax.set_xlabel("silos n")
+    axes[0].set_ylabel("predicted allreduce time (s)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("alpha-beta models fitted on gloo/CPU at n = 2, 4, 8 (shaded: 64-1024)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def extrapolate(models: dict[str, dict[str, float]]) -> dict[str, object]:
@@ -153,6 +258,7 @@ def extrapolate(models: dict[str, dict[str, float]]) -> dict[str, object]:
     return {
         "size_bytes": PREDICT_BYTES, "n": list(PREDICT_N),
         "time_s": {alg: [round(v, 4) for v in ts] for alg, ts in times.items()},
+        "winners": winners(models),
         "ring_beats_tree": [r < t for r, t in zip(times["ring"], times["tree"], strict=True)],
         "ring_beats_tree_above_bytes": [None if c is None else round(c) for c in crossover],
     }
@@ -169,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--segment-bytes", type=int, default=DEFAULT_SEGMENT_BYTES)
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    parser.add_argument("--plot", default=None, help="write the predictions' plot here")
     args = parser.parse_args(argv)
     if args.quick:
         worlds, sizes, iters = (2, 3), [64 << 10, MIB], args.iters or 2
@@ -201,7 +308,23 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                            "ring_over_native_cpu": round(
                                ring["cpu_s_all_ranks"] / native["cpu_s_all_ranks"], 3)})
     targeted = [r for r in ratios if r["size_bytes"] >= TARGET_MIN_BYTES]
-    models = {alg: fit_alpha_beta(rows, alg) for alg in ALGORITHMS}
+    hd = [{"n": n, "size_bytes": size, "halving_doubling_over_native_busbw": round(
+               by_key[(n, size, "halving_doubling")]["busbw_GBps"]
+               / by_key[(n, size, "native")]["busbw_GBps"], 3),
+           "halving_doubling_inplace_over_native_busbw": round(
+               by_key[(n, size, "halving_doubling_inplace")]["busbw_GBps"]
+               / by_key[(n, size, "native")]["busbw_GBps"], 3),
+           "halving_doubling_over_native_best": round(
+               by_key[(n, size, "native")]["best_s"]
+               / by_key[(n, size, "halving_doubling")]["best_s"], 3)}
+          for n in worlds for size in sizes]
+    hd_targeted = [r for r in hd if r["n"] in HD_TARGET_N and r["size_bytes"] in HD_TARGET_BYTES]
+    gamma = fit_sharing(rows, cores)
+    models = {alg: fit_alpha_beta(rows, alg, cores, gamma) for alg in ALGORITHMS}
+    plain = {alg: fit_alpha_beta(rows, alg) for alg in ALGORITHMS}
+    errors = model_errors(rows, models, cores)
+    if args.plot:
+        plot(models, args.plot)
     summary = {
         "benchmark": "allreduce",
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
@@ -222,8 +345,26 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                    "met_where_not_oversubscribed": _all_or_none(
                        [r["ring_over_native_busbw"] >= TARGET_RATIO for r in targeted
                         if r["n"] <= cores])},
+        "halving_doubling_vs_native": hd,
+        "halving_doubling_target": {
+            "over_native_busbw": TARGET_RATIO, "n": list(HD_TARGET_N),
+            "size_bytes": list(HD_TARGET_BYTES),
+            "met": _all_or_none([r["halving_doubling_over_native_busbw"] >= TARGET_RATIO
+                                 for r in hd_targeted]),
+            "met_in_place": _all_or_none([r["halving_doubling_inplace_over_native_busbw"]
+                                          >= TARGET_RATIO for r in hd_targeted])},
         "alpha_beta": models,
+        "alpha_beta_without_sharing": plain,
+        "model_errors": errors,
+        "model_target": {
+            "max_rel_error": MODEL_TARGET_REL_ERROR,
+            "met": _all_or_none([abs(e["rel_error"]) <= MODEL_TARGET_REL_ERROR
+                                 for e in errors]),
+            "met_by_algorithm": {alg: _all_or_none(
+                [abs(e["rel_error"]) <= MODEL_TARGET_REL_ERROR for e in errors
+                 if e["algorithm"] == alg]) for alg in ALGORITHMS}},
         "prediction": extrapolate(models),
+        "plot": args.plot,
         "cuda": "not measured" if not torch.cuda.is_available() else "not measured by this script",
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -7,7 +7,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from aggregation.ring.alltoall import all_to_all
 from aggregation.ring.channel import Channel, Pending
+from aggregation.ring.halving import halving_doubling
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.names import ALGORITHMS, Algorithm
 from aggregation.ring.ring import ring_pipelined, ring_stepwise
@@ -61,8 +63,11 @@ def allreduce(
     result is bit-identical on all ranks for every algorithm.
 
     algorithm: ``"ring"`` (reduce-scatter + all-gather over isend/irecv),
-      ``"tree"`` (recursive doubling), ``"master"`` (reduce to rank 0, then
-      broadcast), ``"native"`` (``dist.all_reduce``).
+      ``"tree"`` (recursive doubling), ``"halving_doubling"`` (Rabenseifner:
+      recursive-halving reduce-scatter + recursive-doubling all-gather),
+      ``"all_to_all"`` (each chunk summed by its owner rank, then sent to all),
+      ``"master"`` (reduce to rank 0, then broadcast), ``"native"``
+      (``dist.all_reduce``).
     op: ``"sum"`` or ``"mean"`` (floating tensors only).
     dtypes: float16/bfloat16/float32/float64 accumulate in their own dtype, one
       rounding per add, as NCCL does. Integers (int8..int64, uint8..uint64) wrap
@@ -132,10 +137,10 @@ def allreduce(
             ring_pipelined(ch, src, dst, mean=mean, segment=segment, window=window)
         elif algorithm == "ring":
             ring_stepwise(ch, src, dst, **opts)
-        elif algorithm == "tree":
-            recursive_doubling(ch, src, dst, **opts)
         else:
-            reduce_broadcast(ch, src, dst, **opts)
+            schedules = {"tree": recursive_doubling, "master": reduce_broadcast,
+                         "halving_doubling": halving_doubling, "all_to_all": all_to_all}
+            schedules[algorithm](ch, src, dst, **opts)
     return out
 
 

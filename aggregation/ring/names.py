@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-Algorithm = Literal["ring", "master", "tree", "native"]
+Algorithm = Literal["ring", "master", "tree", "halving_doubling", "all_to_all", "native"]
 
-ALGORITHMS: tuple[str, ...] = ("ring", "master", "tree", "native")
+ALGORITHMS: tuple[str, ...] = (
+    "ring", "master", "tree", "halving_doubling", "all_to_all", "native")

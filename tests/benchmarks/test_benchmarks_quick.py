@@ -207,11 +207,23 @@ def test_allreduce_quick() -> None:
     result = run_quick("allreduce.py")
     assert result["benchmark"] == "allreduce" and result["quick"] is True
     algorithms = {row["algorithm"] for row in result["results"]}
-    assert {"ring", "native", "master", "tree"} <= algorithms
+    assert {"ring", "native", "master", "tree", "halving_doubling", "all_to_all"} <= algorithms
     for row in result["results"]:
         assert positive(row["algbw_GBps"])
         n = row["n"]
         assert row["busbw_GBps"] == pytest.approx(2 * (n - 1) / n * row["algbw_GBps"], rel=1e-3)
+    assert len(result["model_errors"]) == len(result["results"])
+    for err in result["model_errors"]:
+        assert err["rel_error"] == pytest.approx(err["predicted_s"] / err["measured_s"] - 1,
+                                                 abs=2e-3)
+    winners = result["prediction"]["winners"]
+    assert {(w["n"], w["size_bytes"]) for w in winners} == {
+        (n, s) for n in (64, 128, 256, 512, 1024) for s in (64 << 10, 1 << 20, 16 << 20, 64 << 20)}
+    for w in winners:  # the winner is the fastest prediction, the runner-up the next
+        ranked = sorted(w["time_s_by_algorithm"].items(), key=lambda kv: kv[1])
+        assert "halving_doubling" in w["time_s_by_algorithm"]
+        assert w["winner"] == ranked[0][0] and w["runner_up"] == ranked[1][0]
+        assert w["speedup_over_runner_up"] >= 1.0
 
 
 @pytest.mark.slow

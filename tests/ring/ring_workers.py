@@ -10,13 +10,16 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from aggregation.ring import RingError, RingTimeout, allreduce, exchange, weighted_mean
-from aggregation.ring.channel import Channel
+from aggregation.ring.alltoall import all_to_all
+from aggregation.ring.channel import Channel, Pending
+from aggregation.ring.halving import halving_doubling
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.ring import ring_stepwise
 from aggregation.ring.tree import recursive_doubling
@@ -357,3 +360,116 @@ def unpipelined_mean(rank: int, n: int) -> list[str]:
                 if why:
                     fails.append(f"{key}: {why}")
     return fails
+
+
+FAMILY = ("halving_doubling", "all_to_all")
+FAMILY_SCHEDULES = {"halving_doubling": halving_doubling, "all_to_all": all_to_all}
+FAMILY_LENGTHS = (0, 1, 7, VARIANT_LENGTH, 2**20 + 3)
+FAMILY_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64,
+                 torch.int8, torch.uint8, torch.uint32)
+# The longest length runs with these; the others run at the shorter ones.
+FAMILY_BIG = (torch.float32, torch.int64, torch.uint32)
+
+
+def _family_grouped(alg: str, x: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """The NCCL-style schedule (whole messages, batched send/recv) on gloo."""
+    out = torch.empty_like(x)
+    if dist.get_world_size() == 1 or x.numel() == 0:
+        return out.copy_(x) if not mean else out.copy_(x).div_(dist.get_world_size())
+    ch = Channel(None, timeout=60.0, coalesce=True, algorithm=alg)
+    FAMILY_SCHEDULES[alg](ch, x.view(torch.int32) if x.dtype == torch.uint32 else x,
+                          out.view(torch.int32) if x.dtype == torch.uint32 else out,
+                          mean=mean, segment=None, window=1)
+    return out
+
+
+def family(rank: int, n: int) -> dict[str, object]:
+    """halving_doubling and all_to_all against dist.all_reduce: every length and dtype,
+    segmented, unpipelined, grouped, in place and mean variants, and pairwise-masked
+    integers whose sums wrap. Failures are keyed by algorithm."""
+    fails: dict[str, list[str]] = {alg: [] for alg in FAMILY}
+    digests: dict[str, dict[str, str]] = {alg: {} for alg in FAMILY}
+
+    def check(alg: str, key: str, call: Callable[[], torch.Tensor], ref: torch.Tensor,
+              abs_sum: torch.Tensor | None) -> None:
+        try:
+            result = call()
+        except Exception as exc:
+            fails[alg].append(f"{key}: {type(exc).__name__}: {exc}")
+            return
+        digests[alg][key] = digest(result)
+        if abs_sum is not None:
+            why = float_error(result, ref, abs_sum, n)
+            if why:
+                fails[alg].append(f"{key}: {why}")
+        elif result.dtype != ref.dtype or not torch.equal(result, ref):
+            bad = int((result != ref).sum()) if result.shape == ref.shape else -1
+            fails[alg].append(f"{key}: {bad} of {ref.numel()} elements differ from native")
+
+    for length in FAMILY_LENGTHS:
+        for dtype in FAMILY_DTYPES:
+            if length > VARIANT_LENGTH and dtype not in FAMILY_BIG:
+                continue
+            x = make_data(rank, length, dtype)
+            keep = x.clone()
+            ref = native_sum(x)
+            abs_sum = native_sum(x.double().abs()) if dtype.is_floating_point else None
+            for alg in FAMILY:
+                key = f"{dtype}/L={length}"
+                check(alg, key, partial(allreduce, x, algorithm=alg), ref, abs_sum)
+                if not torch.equal(x, keep):
+                    fails[alg].append(f"{key}: input was modified")
+                if dtype not in (torch.float32, torch.int64, torch.uint32):
+                    continue
+                variants: dict[str, Callable[[], torch.Tensor]] = {
+                    "unpipelined": partial(allreduce, x, algorithm=alg, segment_bytes=None),
+                    "grouped": partial(_family_grouped, alg, x),
+                    "in-place": partial(_in_place, alg, x),
+                }
+                if length <= VARIANT_LENGTH:
+                    variants["segments=4KiB"] = partial(
+                        allreduce, x, algorithm=alg, segment_bytes=4096, window=3)
+                    variants["in-place/segments=4KiB"] = partial(
+                        _in_place, alg, x, segment_bytes=4096, window=1)
+                for name, call in variants.items():
+                    check(alg, f"{key}/{name}", call, ref, abs_sum)
+                if dtype == torch.float32 and length > 0:
+                    mean_ref = (ref.double() / n).to(dtype)
+                    check(alg, f"{key}/mean", partial(allreduce, x, op="mean", algorithm=alg),
+                          mean_ref, abs_sum / n)
+                    check(alg, f"{key}/grouped-mean",
+                          partial(_family_grouped, alg, x, mean=True), mean_ref, abs_sum / n)
+    for length in (1, 7, 2**16 + 1):
+        plains = [torch.randint(0, 1 << 20, (length,), generator=torch.Generator().manual_seed(r))
+                  for r in range(n)]
+        expected = torch.stack(plains).sum(0) & MOD32
+        enc = (plains[rank] + pairwise_mask(rank, n, length)) & MOD32
+        inputs = {"int32": enc.to(torch.int32), "uint32": enc.to(torch.int32).view(torch.uint32),
+                  "int64": enc}
+        for alg in FAMILY:
+            for name, data in inputs.items():
+                got = allreduce(data, algorithm=alg).to(torch.int64) & MOD32
+                if not torch.equal(got, expected):
+                    fails[alg].append(f"masked {name}/L={length}: {int((got != expected).sum())} "
+                                      "elements differ from the plain sum mod 2^32")
+    sent = {alg: _elements_sent(alg) for alg in FAMILY}
+    return {"fails": fails, "digests": digests, "sent": sent}
+
+
+def _elements_sent(alg: str, length: int = 840 * 7) -> int:
+    """Elements this rank sends in one allreduce of ``length`` float32 (whole messages)."""
+    sent = 0
+    post = Channel.post
+
+    def counting(self: Channel, step: str, sends: Sequence = (),
+                 recvs: Sequence = ()) -> Pending:
+        nonlocal sent
+        sent += sum(t.numel() for t, _ in sends)
+        return post(self, step, sends, recvs)
+
+    Channel.post = counting  # type: ignore[method-assign]
+    try:
+        allreduce(torch.ones(length), algorithm=alg, segment_bytes=None)
+    finally:
+        Channel.post = post  # type: ignore[method-assign]
+    return sent

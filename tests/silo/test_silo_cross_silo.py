@@ -42,8 +42,11 @@ def ring_of(msg: Message) -> tuple[int, int]:
     return int(msg.content["config"]["server-round"]), int(ring["rank"])
 
 
-def test_the_round_applies_the_weighted_mean_of_the_silos_deltas(run_inprocess, store) -> None:
-    config = scenario(rounds=1)
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
+def test_the_round_applies_the_weighted_mean_of_the_silos_deltas(run_inprocess, store,
+                                                                 algorithm: str) -> None:
+    config = scenario(rounds=1, **{"silo.algorithm": algorithm})
+    assert config["silo"]["algorithm"] == algorithm
     models: list[np.ndarray] = []
     summary = run_inprocess(config, grid=ConcurrentGrid(silo_app(), SILOS), models=models)
     assert summary["status"] == "completed" and summary["versions"] == 1

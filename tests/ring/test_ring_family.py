@@ -1,0 +1,48 @@
+"""halving_doubling and all_to_all against dist.all_reduce on real gloo process groups of
+every size from 1 to 8 (powers of two and the fold for the others).
+
+One process group per world size runs both algorithms over every length and dtype;
+the tests check each algorithm's part of its report.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ring_workers
+from ring_launch import launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=range(1, 9), ids=lambda n: f"n{n}")
+def report(request: pytest.FixtureRequest) -> dict[str, object]:
+    n = request.param
+    return {"n": n, "ranks": launch(ring_workers.family, n, timeout=300)}
+
+
+@pytest.mark.parametrize("algorithm", ring_workers.FAMILY)
+def test_matches_native_in_every_variant_including_wrapping_integers(
+        report: dict, algorithm: str) -> None:
+    fails = [f"rank {r}: {f}" for r, out in enumerate(report["ranks"])
+             for f in out["fails"][algorithm]]
+    assert fails == [], fails[:10]
+
+
+@pytest.mark.parametrize("algorithm", ring_workers.FAMILY)
+def test_all_ranks_get_bit_identical_results(report: dict, algorithm: str) -> None:
+    digests = [out["digests"][algorithm] for out in report["ranks"]]
+    assert len(digests[0]) > 3 * len(ring_workers.FAMILY_LENGTHS)
+    differing = [k for k in digests[0] if any(d.get(k) != digests[0][k] for d in digests[1:])]
+    assert differing == []
+
+
+def test_each_rank_sends_what_the_algorithm_promises(report: dict) -> None:
+    """all_to_all: every rank 2(n-1)/n of the vector. halving_doubling: the first p ranks
+    (p the largest power of two <= n) 2(p-1)/p, plus the result to their fold partner if
+    they have one; the other ranks their vector, once."""
+    n, length = report["n"], 840 * 7  # divisible by every n and p up to 8
+    p = 1 << (n.bit_length() - 1)
+    sent = [out["sent"] for out in report["ranks"]]
+    assert [s["all_to_all"] for s in sent] == [2 * (n - 1) * length // n] * n
+    halving = [2 * (p - 1) * length // p + (length if r < n - p else 0) for r in range(p)]
+    assert [s["halving_doubling"] for s in sent] == halving + [length] * (n - p)
