@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -92,3 +93,28 @@ def exchange(
             torch.add(base[lo:hi], buf, out=dst[lo:hi])
         if j + window < count:
             post(j + window)
+
+
+def fold_in(ch: Channel, src: torch.Tensor, out: torch.Tensor,
+            opts: dict[str, Any]) -> tuple[int, torch.Tensor | None]:
+    """The standard fold of a power-of-two algorithm onto any world size: with ``p`` the
+    largest power of two ``<= n``, ranks ``p..n-1`` hand their vector to rank ``r - p``
+    (which adds it into ``out``) and wait there for the result. Returns ``p`` and the
+    vector this rank goes on with (``src``, or ``out`` after a fold), or None on a folded
+    rank, which is then done; ``fold_out`` sends the result back."""
+    n, r = ch.size, ch.rank
+    p = 1 << (n.bit_length() - 1)
+    if r >= p:
+        exchange(ch, "fold-in", send=src, send_peer=r - p, **opts)
+        exchange(ch, "fold-out", dst=out, recv_peer=r - p, **opts)
+        return p, None
+    if r < n - p:
+        exchange(ch, "fold-in", dst=out, recv_peer=r + p, base=src, **opts)
+        return p, out
+    return p, src
+
+
+def fold_out(ch: Channel, out: torch.Tensor, p: int, opts: dict[str, Any]) -> None:
+    """Send the result to the rank folded onto this one (see ``fold_in``), if any."""
+    if ch.rank < ch.size - p:
+        exchange(ch, "fold-out", send=out, send_peer=ch.rank + p, **opts)

@@ -20,24 +20,17 @@ import torch
 
 from aggregation.ring.channel import Channel
 from aggregation.ring.chunks import chunk_spans
-from aggregation.ring.exchange import Scratch, exchange
+from aggregation.ring.exchange import Scratch, exchange, fold_in, fold_out
 
 
 def halving_doubling(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: bool,
                      segment: int | None, window: int) -> None:
     """Allreduce flat ``src`` into flat ``out`` by recursive halving then doubling."""
     n, r = ch.size, ch.rank
-    p = 1 << (n.bit_length() - 1)
-    extra = n - p
     opts = {"segment": segment, "window": window, "scratch": Scratch(src)}
-    if r >= p:
-        exchange(ch, "fold-in", send=src, send_peer=r - p, **opts)
-        exchange(ch, "fold-out", dst=out, recv_peer=r - p, **opts)
+    p, cur = fold_in(ch, src, out, opts)
+    if cur is None:
         return
-    cur = src
-    if r < extra:
-        exchange(ch, "fold-in", dst=out, recv_peer=r + p, base=src, **opts)
-        cur = out
     spans = chunk_spans(src.numel(), p)
     rounds = p.bit_length() - 1
 
@@ -64,5 +57,4 @@ def halving_doubling(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean:
         exchange(ch, f"doubling round {k + 1}/{rounds}", send=out[region(lo, hi)],
                  send_peer=r ^ mask, dst=out[region(*other)], recv_peer=r ^ mask, **opts)
         lo, hi = min(lo, other[0]), max(hi, other[1])
-    if r < extra:
-        exchange(ch, "fold-out", send=out, send_peer=r + p, **opts)
+    fold_out(ch, out, p, opts)

@@ -12,25 +12,17 @@ from __future__ import annotations
 import torch
 
 from aggregation.ring.channel import Channel
-from aggregation.ring.exchange import Scratch, exchange
+from aggregation.ring.exchange import Scratch, exchange, fold_in, fold_out
 
 
 def recursive_doubling(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mean: bool,
                        segment: int | None, window: int) -> None:
     """Allreduce flat ``src`` into flat ``out`` by recursive doubling."""
     n, r = ch.size, ch.rank
-    p = 1 << (n.bit_length() - 1)
-    extra = n - p
-    scratch = Scratch(src)
-    opts = {"segment": segment, "window": window, "scratch": scratch}
-    if r >= p:
-        exchange(ch, "fold-in", send=src, send_peer=r - p, **opts)
-        exchange(ch, "fold-out", dst=out, recv_peer=r - p, **opts)
+    opts = {"segment": segment, "window": window, "scratch": Scratch(src)}
+    p, cur = fold_in(ch, src, out, opts)
+    if cur is None:
         return
-    cur = src
-    if r < extra:
-        exchange(ch, "fold-in", dst=out, recv_peer=r + p, base=cur, **opts)
-        cur = out
     rounds = p.bit_length() - 1
     for k in range(rounds):
         partner = r ^ (1 << k)
@@ -41,5 +33,4 @@ def recursive_doubling(ch: Channel, src: torch.Tensor, out: torch.Tensor, *, mea
         out.copy_(src)
     if mean:
         out.div_(n)
-    if r < extra:
-        exchange(ch, "fold-out", send=out, send_peer=r + p, **opts)
+    fold_out(ch, out, p, opts)
