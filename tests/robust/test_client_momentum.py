@@ -90,3 +90,10 @@ def test_a_malformed_momentum_on_the_wire_is_refused(value):
     with pytest.raises(WireError, match=ConfigKey.CLIENT_MOMENTUM):
         read_client_momentum(ConfigRecord({ConfigKey.CLIENT_MOMENTUM: value}))
     assert read_client_momentum(ConfigRecord({})) == 0.0
+
+
+def test_cross_silo_refuses_client_momentum():
+    with pytest.raises(ValueError, match=r"set aggregation\.client_momentum = 0"):
+        load_scenario("default", ["driver.kind=cross_silo", "federation.clients=3",
+                                  "aggregation.client_momentum=0.9"])
+    load_scenario("default", ["driver.kind=cross_silo", "federation.clients=3"])
