@@ -27,7 +27,11 @@ plan fits a shared 2-core machine: on Dirichlet(0.5), every seed for FedAvg, the
 recommended settings (cc_bucketing, cc_secagg) under every attack and every combine
 without attackers, and the other combines under attack on the first seed; on IID, the
 first seed for every cell. ``--quick`` (tests): IID, one seed, 2 rounds of one local
-epoch, four attacks and four combines.
+epoch, four attacks and four combines. ``--partitioners``, ``--attacks`` and
+``--combines`` (comma-separated) keep only those cells of the plan (every seed with
+``--full``); ``--client-momentum BETA`` runs the centered-clipping cells with worker
+momentum (``aggregation.client_momentum``). Such a partial run writes no plot unless
+``--plot`` is given.
 
 Reported: the final central test accuracy per (partitioner, attack, combine) averaged
 over the seeds run, the seeds behind each cell, a reference (outside quick mode): FedAvg
@@ -36,6 +40,7 @@ attackers its clients reported, the targets and sanity checks; a heatmap goes to
 docs/robustness.png.
 
     python benchmarks/robustness.py [--quick | --full] [--seeds N] [--plot PATH]
+        [--partitioners P,..] [--attacks A,..] [--combines C,..] [--client-momentum BETA]
 
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
 """
@@ -92,6 +97,7 @@ PARTITIONERS = ("iid", "dirichlet")
 RECOMMENDED = ("mean", "cc_bucketing", "cc_secagg")
 QUICK_ATTACKS = ("none", "sign_flip", "alie", "ipm")
 QUICK_COMBINES = ("mean", "geometric_median", "cc_bucketing", "cc_secagg")
+MOMENTUM_COMBINES = ("centered_clip", "cc_bucketing", "cc_secagg")  # --client-momentum
 
 
 def applies(attack: str, combine: str) -> bool:
@@ -121,8 +127,8 @@ class Runner:
     """Runs cells; the attack-free FedAvg run of each (partitioner, seed) first, which
     sets client-side centered clipping's radius."""
 
-    def __init__(self, quick: bool, folder: str) -> None:
-        self.quick, self.folder = quick, folder
+    def __init__(self, quick: bool, folder: str, client_momentum: float = 0.0) -> None:
+        self.quick, self.folder, self.client_momentum = quick, folder, client_momentum
         self.radius: dict[tuple[str, int], float] = {}
         self.done: dict[tuple[str, int, str, str], dict[str, Any]] = {}
 
@@ -134,6 +140,8 @@ class Runner:
                   **COMBINES[combine], "seed": seed}
         if combine == "cc_secagg":
             values["aggregation.clip_radius"] = self.clip_radius(p, seed)
+        if self.client_momentum and combine in MOMENTUM_COMBINES:
+            values["aggregation.client_momentum"] = self.client_momentum
         if attack != "none":
             values.update({"attack.fraction": FRACTION, **ATTACKS[attack]})
         self.done[key] = r = run_one(values, key, self.folder)
@@ -178,6 +186,7 @@ def run_one(values: dict[str, Any], key: tuple[str, int, str, str],
         out["median_update_norm"] = round(statistics.median(norms), 4)
     if combine == "cc_secagg":
         out["clip_radius"] = values["aggregation.clip_radius"]
+    out["client_momentum"] = config["aggregation"]["client_momentum"]
     return out
 
 
@@ -259,8 +268,11 @@ def targets(acc: dict[str, dict[str, float | None]],
 
 
 def sanity(acc: dict[str, dict[str, float | None]]) -> dict[str, bool]:
-    """What the literature predicts on IID data with 20% attackers."""
+    """What the literature predicts on IID data with 20% attackers (none without the
+    attack-free FedAvg cell)."""
     base = acc["none"]["mean"]
+    if base is None:
+        return {}
 
     def get(a: str, c: str) -> float:
         v = acc.get(a, {}).get(c)
@@ -304,24 +316,49 @@ def plot(results: dict[str, Any], path: Path, subtitle: str) -> None:
     plt.close(fig)
 
 
+def options(parser: Any) -> None:
+    """The benchmark's own command-line options."""
+    def names(known: tuple[str, ...] | dict[str, Any]) -> Any:
+        def parse(text: str) -> tuple[str, ...]:
+            chosen = tuple(text.split(","))
+            unknown = [c for c in chosen if c not in known]
+            if unknown:
+                raise ValueError(f"unknown {unknown}, choose from {list(known)}")
+            return chosen
+        return parse
+
+    parser.add_argument("--full", action="store_true",
+                        help="every partitioner, seed, attack and combine")
+    parser.add_argument("--partitioners", type=names(PARTITIONERS), default=None)
+    parser.add_argument("--attacks", type=names(ATTACKS), default=None)
+    parser.add_argument("--combines", type=names(COMBINES), default=None)
+    parser.add_argument("--client-momentum", type=float, default=0.0,
+                        help="aggregation.client_momentum of the centered-clipping cells")
+
+
 def main() -> None:
     args = seeds_args(__doc__, "one seed, IID only, 2 rounds of one local epoch, four "
                       "attacks and four combines", "robustness.png",
-                      more=lambda p: p.add_argument("--full", action="store_true",
-                                                    help="every partitioner, seed, attack "
-                                                    "and combine"))
+                      more=options)
     quick, seeds = args.quick, args.seeds
-    cells = plan(quick, args.full, seeds)
+    cells = [c for c in plan(quick, args.full, seeds) if all(
+        chosen is None or value in chosen for value, chosen
+        in zip((c[0], c[2], c[3]), (args.partitioners, args.attacks, args.combines),
+               strict=True))]
+    partial = any(x is not None for x in (args.partitioners, args.attacks, args.combines)) \
+        or bool(args.client_momentum)
+    if partial and "--plot" not in sys.argv:
+        args.plot = None  # the docs' plot shows the full benchmark only
     started, load_before = time.perf_counter(), load_average()
     log(f"robustness: {'quick' if quick else 'full' if args.full else 'default plan'}, "
         f"seeds {seeds}, {len(cells)} cells, load average {load_before[0]:.2f}")
     with tempfile.TemporaryDirectory() as folder:
-        runner = Runner(quick, folder)
+        runner = Runner(quick, folder, args.client_momentum)
         runs = [runner.run(*cell) for cell in cells]
         runs = list(runner.done.values())  # with the controls the radius needed
         reference = {} if quick else {
             p: statistics.fmean(honest_only(p, s, quick, folder) for s in seeds)
-            for p in PARTITIONERS}
+            for p in dict.fromkeys(c[0] for c in cells)}
     results, cell_seeds = table(runs)
     reference = {p: round(v, 4) for p, v in reference.items()}
     log(f"honest-only FedAvg (reference): {reference}")
@@ -340,7 +377,9 @@ def main() -> None:
         "benchmark": "robustness", "quick": quick, "full": args.full, "seeds": seeds,
         "workload": {"dataset": "digits", "model": "mlp[64]", **workload,
                      "partitioners": sorted({c[0] for c in cells}),
-                     "attack.fraction": FRACTION, "attacks": ATTACKS, "combines": COMBINES},
+                     "attack.fraction": FRACTION, "attacks": ATTACKS, "combines": COMBINES,
+                     "client_momentum": args.client_momentum,
+                     "momentum_combines": MOMENTUM_COMBINES if args.client_momentum else []},
         "machine": machine(),
         "loadavg_before": load_before,
         "loadavg_after": load_average(),

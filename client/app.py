@@ -32,10 +32,11 @@ from aggregation.centered import clip_around
 from client import local_state
 from client.compression import reply_record
 from client.flat_model import FlatModel
+from client.momentum import momentum_update
 from client.protocol.errors import WireError
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
-from client.protocol.train import read_center
+from client.protocol.train import read_center, read_client_momentum
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
 from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
@@ -250,6 +251,9 @@ class FedringClient:
         if worker.task.local_dp is not None:
             clip, z = worker.task.local_dp
             delta, _ = local_dp_update(delta, clip, z, noise_rng())
+        beta = read_client_momentum(config)
+        if beta:  # worker momentum over the (noised) deltas; an attacker forges after it
+            delta = momentum_update(context.state, delta, beta)
         tampered = worker.task.tamper(pid, delta, seed)  # simulated attackers only
         if tampered:
             metrics[ATTACKER_METRIC] = 1
@@ -259,7 +263,7 @@ class FedringClient:
         return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
                            base_flat=base_flat, trained=trained, model=model, partition_id=pid,
                            noised=worker.task.local_dp is not None or tampered
-                           or center is not None)
+                           or center is not None or bool(beta))
 
     def train(self, msg: Message, context: Context) -> Message:
         update = self.local_update(msg, context)

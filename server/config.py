@@ -163,7 +163,9 @@ class AggregationConfig:
     robust combine. ``centered_clip`` clips to ``clip_radius`` around the previous
     aggregate (0: the median distance, in each of ``clip_iterations``); under secure
     aggregation the clients do it (``client_side``). ``geometric_median`` runs
-    ``gm_iterations`` smoothed Weiszfeld steps with ``gm_nu``.
+    ``gm_iterations`` smoothed Weiszfeld steps with ``gm_nu``. ``client_momentum`` beta > 0:
+    each client sends its momentum ``m <- beta m + (1 - beta) delta`` (its first delta
+    as is) instead of its delta (worker momentum, Karimireddy, He, Jaggi, ICML 2021).
     """
 
     combine: str = "mean"
@@ -185,6 +187,7 @@ class AggregationConfig:
     clip_iterations: int = 3
     gm_nu: float = 1e-6
     gm_iterations: int = 8
+    client_momentum: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("aggregation.combine", self.combine, (*LINEAR_COMBINES, *ROBUST_KINDS))
@@ -199,6 +202,12 @@ class AggregationConfig:
                              f"before a robust combine; the mean of bucket means is the "
                              f"mean, so with aggregation.combine = '{self.combine}' set "
                              "aggregation.bucketing = 0")
+        if isinstance(self.client_momentum, bool) or \
+                not isinstance(self.client_momentum, int | float) or \
+                not 0 <= self.client_momentum < 1:
+            raise ValueError(f"aggregation.client_momentum must be a number in [0, 1) (each "
+                             f"client's momentum over its own updates; 0: off), got "
+                             f"{self.client_momentum!r}")
         self.build()  # surfaces bad combine/weight/optimizer parameters at start
 
     def _optimizer_params(self) -> dict[str, float]:

@@ -74,12 +74,13 @@ class RunContext:
 
     def train_config(self, server_round: int, compression: str | None = None) -> ConfigRecord:
         """The config every training message carries: round, model version, task, seed, the
-        compression request, FedBN's flag and, for client-side centered clipping, the centre
-        (``client.protocol.train.train_config``)."""
+        compression request, FedBN's flag, for client-side centered clipping the centre, and
+        the client momentum (``client.protocol.train.train_config``)."""
         return train_config(server_round, self.state.version, self.task_json, self.seed,
                             compression=compression,
                             local_buffers=self.scenario.aggregation.local_buffers,
-                            center=self.pipeline.client_center(self.layout.dim))
+                            center=self.pipeline.client_center(self.layout.dim),
+                            client_momentum=self.scenario.aggregation.client_momentum)
 
     def model_record(self) -> ArrayRecord:
         """The current model as the ``arrays`` record of a training message."""

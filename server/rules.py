@@ -207,6 +207,9 @@ def check_cross_silo(config: Mapping[str, Any]) -> SiloConfig | None:
         raise ValueError(f"driver.kind 'cross_silo' sums the silos' updates over a ring, so "
                          f"the server never sees one; aggregation.combine "
                          f"'{agg['combine']}' needs them all: use 'mean' or 'sum'")
+    if agg.get("client_momentum", 0.0):
+        raise ValueError("driver.kind 'cross_silo' runs the silo client, which keeps no "
+                         "worker momentum: set aggregation.client_momentum = 0")
     dp_mode = config.get("dp", {}).get("mode", "off")
     secure = bool(config.get("secagg", {}).get("enabled"))
     if dp_mode == "central" and not secure:

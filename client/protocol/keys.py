@@ -37,6 +37,7 @@ class ConfigKey(Names):
     LOCAL_BUFFERS = "fedring.local-buffers"  # True: FedBN, batch norm stays on each client
     CENTER = "fedring.center"  # client-side centered clipping: the centre, float32 LE bytes
     CLIP_RADIUS = "fedring.clip-radius"  # and the radius to clip to around it (train.py)
+    CLIENT_MOMENTUM = "fedring.client-momentum"  # beta: send momentum, not the delta
 
 
 class MetricKey(Names):

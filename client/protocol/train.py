@@ -13,12 +13,14 @@ from client.protocol.keys import REPLY_DELTA, ConfigKey
 
 def train_config(server_round: int, version: int, task_json: str, seed: int, *,
                  compression: str | None = None, local_buffers: bool = False,
-                 center: tuple[np.ndarray, float] | None = None) -> ConfigRecord:
+                 center: tuple[np.ndarray, float] | None = None,
+                 client_momentum: float = 0.0) -> ConfigRecord:
     """The train config asking for a delta: the round, the model version sent, the task's
     JSON, the run seed, for compressed uploads the request's JSON
     (``CompressionRequest.to_json``), with FedBN ``local_buffers``; ``center``: the centre
     and radius each client clips its delta around before it replies (client-side centered
-    clipping)."""
+    clipping); ``client_momentum`` beta > 0: each client sends its momentum over its own
+    deltas (``client.momentum``)."""
     config = ConfigRecord({ConfigKey.SERVER_ROUND: server_round, ConfigKey.VERSION: version,
                            ConfigKey.REPLY: REPLY_DELTA, ConfigKey.TASK: task_json,
                            ConfigKey.SEED: seed})
@@ -30,7 +32,18 @@ def train_config(server_round: int, version: int, task_json: str, seed: int, *,
         vector, radius = center
         config[ConfigKey.CENTER] = np.asarray(vector, dtype="<f4").tobytes()
         config[ConfigKey.CLIP_RADIUS] = float(radius)
+    if client_momentum:
+        config[ConfigKey.CLIENT_MOMENTUM] = float(client_momentum)
     return config
+
+
+def read_client_momentum(config: ConfigRecord) -> float:
+    """The client momentum beta of a train config (0: none); WireError when malformed."""
+    beta = config.get(ConfigKey.CLIENT_MOMENTUM, 0.0)
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0 <= beta < 1:
+        raise WireError(f"config '{ConfigKey.CLIENT_MOMENTUM}' must be a number in [0, 1), "
+                        f"got {beta!r}")
+    return float(beta)
 
 
 def read_center(config: ConfigRecord, dim: int) -> tuple[np.ndarray, float] | None:

@@ -255,6 +255,17 @@ def test_robustness_quick() -> None:
         assert run["attackers"] == ([] if run["attack"] == "none" else attackers), run
     assert result["targets"] == {}  # no Dirichlet cells in quick mode
     assert all(isinstance(v, bool) for v in result["sanity"].values())
+    assert all(run["client_momentum"] == 0 for run in result["runs"])
+
+
+@pytest.mark.slow
+def test_robustness_subset_with_client_momentum() -> None:
+    result = run_quick("robustness.py", extra=("--attacks", "sign_flip", "--combines",
+                                               "mean,cc_bucketing", "--client-momentum", "0.5"))
+    assert result["plot"] is None and result["workload"]["client_momentum"] == 0.5
+    momentum = {run["combine"]: run["client_momentum"] for run in result["runs"]}
+    assert momentum == {"mean": 0, "cc_bucketing": 0.5}  # only the centered-clipping cells
+    assert all(run["attack"] == "sign_flip" for run in result["runs"])
 
 
 @pytest.mark.slow
