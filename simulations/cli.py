@@ -60,7 +60,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     from simulations.heterogeneity import make_clock
     from simulations.tracking import TrackingConfig, open_tracking
 
-    build_task(config)  # fails here, before any engine starts, on bad data or model settings
+    task = build_task(config)  # fails here, before any engine starts, on bad data or model
     TrackingConfig(**config.get("tracking", {})).require()  # and on a missing extra
     device = resolve_device(config["train"]["device"]).type  # clients train on this machine
     cross_silo = config.get("driver", {}).get("kind") == "cross_silo"
@@ -68,7 +68,8 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         raise ValueError("driver.kind 'cross_silo' needs every silo of a ring running at once: "
                          "use --engine inprocess, or deploy silos with `fedring silo`")
     result: dict[str, Any] = {}
-    server_app = make_server_app(build_task, config_from_run_config, config=config,
+    # the server uses the task checked above, not a second build (partition 0, evaluation)
+    server_app = make_server_app(lambda _config: task, config_from_run_config, config=config,
                                  store_url=db, reporter=reporter, on_summary=result.update,
                                  resume=resume, clock=None if cross_silo else make_clock,
                                  observe=open_tracking, pre_combine=omniscient_attack)
