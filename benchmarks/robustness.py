@@ -12,19 +12,22 @@ store). 4 of the 20 clients (20%, drawn from the seed) attack:
   n = 20 and m = 4 (0.385);
 - ipm (Xie et al. 2020): -0.1 times the mean of the round's honest updates.
 
-Each attack, and a run without attackers, is aggregated with FedAvg (``mean``),
-coordinate-wise ``median``, ``trimmed_mean`` (beta 0.2), ``krum`` and ``bulyan`` (f = 4,
-the number of attackers), the ``geometric_median`` (RFA), ``centered_clip`` alone and with
-``bucketing`` = 2 (the recommended setting), and centered clipping on the clients under
-secure aggregation (``cc_secagg``: SecAgg+, one clipping step around the previous
-aggregate with the radius set to the median update norm of that seed's attack-free FedAvg
-run, the server sums). alie and ipm need every honest update, which no one sees under
-secure aggregation: they do not run there. Partitions are IID and Dirichlet(0.5) label
-skew (fedring's default).
+Each attack, and a run without attackers, is aggregated with FedAvg (``mean``), FedAvgM
+(``mean_m``: the mean with server momentum 0.9, ``server_opt = "fedavgm"``), coordinate-wise
+``median`` and ``trimmed_mean`` (beta 0.2), each also over buckets of 2, ``krum`` and
+``bulyan`` (f = 4, the number of attackers), the ``geometric_median`` (RFA),
+``centered_clip`` alone, with ``bucketing`` = 2, and with bucketing and server momentum
+0.9 (``cc_bucketing_m``: the recommended setting; the source paper runs centered clipping
+with momentum), and centered clipping on the clients under secure aggregation, without
+and with server momentum (``cc_secagg``, ``cc_secagg_m``: SecAgg+, one clipping step
+around the previous aggregate with the radius set to the median update norm of that
+seed's attack-free FedAvg run, the server sums). alie and ipm need every honest update,
+which no one sees under secure aggregation: they do not run there. Partitions are IID
+and Dirichlet(0.5) label skew (fedring's default).
 
 Which cells run: ``--full`` runs every partitioner, seed, attack and combine. The default
-plan fits a shared 2-core machine: on Dirichlet(0.5), every seed for FedAvg, the two
-recommended settings (cc_bucketing, cc_secagg) under every attack and every combine
+plan fits a shared 2-core machine: on Dirichlet(0.5), every seed for FedAvg, FedAvgM and
+the two recommended settings (cc_bucketing_m, cc_secagg_m) under every attack and every combine
 without attackers, and the other combines under attack on the first seed; on IID, the
 first seed for every cell. ``--quick`` (tests): IID, one seed, 2 rounds of one local
 epoch, four attacks and four combines. ``--partitioners``, ``--attacks`` and
@@ -78,31 +81,45 @@ ATTACKS: dict[str, dict[str, Any]] = {
 }
 OMNISCIENT = ("alie", "ipm")
 F = round(FRACTION * CLIENTS)
+SERVER_MOMENTUM = {"aggregation.server_opt": "fedavgm", "aggregation.momentum": 0.9}
 COMBINES: dict[str, dict[str, Any]] = {
     "mean": {"aggregation.combine": "mean"},
+    "mean_m": {"aggregation.combine": "mean", **SERVER_MOMENTUM},
     "median": {"aggregation.combine": "median"},
+    "median_b2": {"aggregation.combine": "median", "aggregation.bucketing": 2},
     "trimmed_mean": {"aggregation.combine": "trimmed_mean", "aggregation.trim_beta": FRACTION},
+    "trimmed_b2": {"aggregation.combine": "trimmed_mean", "aggregation.trim_beta": FRACTION,
+                   "aggregation.bucketing": 2},
     "krum": {"aggregation.combine": "krum", "aggregation.f": F},
     "bulyan": {"aggregation.combine": "bulyan", "aggregation.f": F},
     "geometric_median": {"aggregation.combine": "geometric_median", "aggregation.f": F},
     "centered_clip": {"aggregation.combine": "centered_clip", "aggregation.f": F},
     "cc_bucketing": {"aggregation.combine": "centered_clip", "aggregation.bucketing": 2},
+    "cc_bucketing_m": {"aggregation.combine": "centered_clip", "aggregation.bucketing": 2,
+                       **SERVER_MOMENTUM},
     "cc_secagg": {"aggregation.combine": "centered_clip", "secagg.enabled": True},
+    "cc_secagg_m": {"aggregation.combine": "centered_clip", "secagg.enabled": True,
+                    **SERVER_MOMENTUM},
 }
-LABELS = {"mean": "FedAvg", "median": "median", "trimmed_mean": "trimmed mean",
-          "krum": "Krum", "bulyan": "Bulyan", "geometric_median": "geo. median",
-          "centered_clip": "CC", "cc_bucketing": "CC + bucketing 2",
-          "cc_secagg": "CC on clients\n(secagg)"}
+SECURE_CC = ("cc_secagg", "cc_secagg_m")  # client-side clipping: the radius is set
+LABELS = {"mean": "FedAvg", "mean_m": "FedAvgM", "median": "median",
+          "median_b2": "median\n+ bucketing 2", "trimmed_mean": "trimmed mean",
+          "trimmed_b2": "trimmed mean\n+ bucketing 2", "krum": "Krum", "bulyan": "Bulyan",
+          "geometric_median": "geo. median", "centered_clip": "CC",
+          "cc_bucketing": "CC + bucketing 2", "cc_bucketing_m": "CC + bucketing 2\n+ FedAvgM",
+          "cc_secagg": "CC on clients\n(secagg)",
+          "cc_secagg_m": "CC on clients\n(secagg) + FedAvgM"}
 PARTITIONERS = ("iid", "dirichlet")
-RECOMMENDED = ("mean", "cc_bucketing", "cc_secagg")
+RECOMMENDED = ("mean", "mean_m", "cc_bucketing_m", "cc_secagg_m")
 QUICK_ATTACKS = ("none", "sign_flip", "alie", "ipm")
-QUICK_COMBINES = ("mean", "geometric_median", "cc_bucketing", "cc_secagg")
-MOMENTUM_COMBINES = ("centered_clip", "cc_bucketing", "cc_secagg")  # --client-momentum
+QUICK_COMBINES = ("mean", "geometric_median", "cc_bucketing_m", "cc_secagg_m")
+MOMENTUM_COMBINES = ("centered_clip", "cc_bucketing", "cc_bucketing_m", "cc_secagg",
+                     "cc_secagg_m")  # --client-momentum
 
 
 def applies(attack: str, combine: str) -> bool:
     """Omniscient attacks need the honest updates, which secure aggregation hides."""
-    return not (attack in OMNISCIENT and combine == "cc_secagg")
+    return not (attack in OMNISCIENT and combine in SECURE_CC)
 
 
 def plan(quick: bool, full: bool, seeds: list[int]) -> list[tuple[str, int, str, str]]:
@@ -138,7 +155,7 @@ class Runner:
             return self.done[key]
         values = {**(QUICK_WORKLOAD if self.quick else WORKLOAD), "data.partitioner": p,
                   **COMBINES[combine], "seed": seed}
-        if combine == "cc_secagg":
+        if combine in SECURE_CC:
             values["aggregation.clip_radius"] = self.clip_radius(p, seed)
         if self.client_momentum and combine in MOMENTUM_COMBINES:
             values["aggregation.client_momentum"] = self.client_momentum
@@ -184,9 +201,10 @@ def run_one(values: dict[str, Any], key: tuple[str, int, str, str],
            "wall_s": round(wall, 2)}
     if norms:
         out["median_update_norm"] = round(statistics.median(norms), 4)
-    if combine == "cc_secagg":
+    if combine in SECURE_CC:
         out["clip_radius"] = values["aggregation.clip_radius"]
     out["client_momentum"] = config["aggregation"]["client_momentum"]
+    out["server_opt"] = config["aggregation"]["server_opt"]
     return out
 
 
@@ -237,34 +255,39 @@ def table(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def targets(acc: dict[str, dict[str, float | None]],
             reference: float | None = None) -> dict[str, Any]:
-    """The issue's targets on one partitioner's table (Dirichlet(0.5)); ``reference``: the
-    honest-only FedAvg accuracy, for the gaps to it."""
+    """The issue's targets on one partitioner's table (Dirichlet(0.5)): each centered
+    clipping setting's worst gap under attack to attack-free FedAvg, and to attack-free
+    FedAvgM (the same server momentum, the like-for-like control); ``reference``: the
+    honest-only FedAvg accuracy."""
     base = acc["none"]["mean"]
     if base is None:
         return {}
 
-    def worst_gap(combine: str) -> float | None:
-        gaps = [base - row[combine] for a, row in acc.items()
+    def worst_gap(combine: str, control: float | None) -> float | None:
+        gaps = [control - row[combine] for a, row in acc.items()
                 if a != "none" and row.get(combine) is not None]
-        return round(max(gaps), 4) if gaps else None
+        return round(max(gaps), 4) if gaps and control is not None else None
 
     no_attack = {c: round(base - v, 4) for c, v in acc["none"].items()
                  if c != "mean" and v is not None}
-    cc_b, cc_s = worst_gap("cc_bucketing"), worst_gap("cc_secagg")
-    return {
-        "fedavg_no_attack": base,
-        "cc_bucketing_worst_gap": cc_b,
-        "cc_bucketing_within_0.03": cc_b is not None and cc_b <= 0.03,
-        "cc_secagg_worst_gap": cc_s,
-        "cc_secagg_within_0.05": cc_s is not None and cc_s <= 0.05,
+    goals: dict[str, Any] = {"fedavg_no_attack": base,
+                             "fedavgm_no_attack": acc["none"].get("mean_m")}
+    for combine, limit in (("cc_bucketing", 0.03), ("cc_bucketing_m", 0.03),
+                           ("cc_secagg", 0.05), ("cc_secagg_m", 0.05)):
+        gap = worst_gap(combine, base)
+        goals[f"{combine}_worst_gap"] = gap
+        goals[f"{combine}_within_{limit}"] = gap is not None and gap <= limit
+        if combine.endswith("_m"):
+            like = worst_gap(combine, acc["none"].get("mean_m"))
+            goals[f"{combine}_worst_gap_to_fedavgm"] = like
+            goals[f"{combine}_within_{limit}_of_fedavgm"] = like is not None and like <= limit
+    goals.update({
         "no_attack_loss_vs_fedavg": no_attack,
-        "robust_no_attack_within_0.02": {c: g <= 0.02 for c, g in no_attack.items()},
+        "robust_no_attack_within_0.02": {c: g <= 0.02 for c, g in no_attack.items()
+                                         if c != "mean_m"},
         "honest_only_fedavg": reference,
-        "cc_bucketing_worst_gap_to_honest_only": None if reference is None or cc_b is None
-        else round(cc_b - (base - reference), 4),
-        "cc_secagg_worst_gap_to_honest_only": None if reference is None or cc_s is None
-        else round(cc_s - (base - reference), 4),
-    }
+    })
+    return goals
 
 
 def sanity(acc: dict[str, dict[str, float | None]]) -> dict[str, bool]:
@@ -294,7 +317,7 @@ def plot(results: dict[str, Any], path: Path, subtitle: str) -> None:
     import numpy as np
 
     parts = list(results)
-    fig, axes = plt.subplots(1, len(parts), figsize=(7.2 * len(parts) + 1.4, 5.2),
+    fig, axes = plt.subplots(1, len(parts), figsize=(10.5 * len(parts) + 1.4, 5.6),
                              squeeze=False, sharey=True)
     for ax, p in zip(axes[0], parts, strict=True):
         grid = np.array([[np.nan if results[p][a][c] is None else results[p][a][c]

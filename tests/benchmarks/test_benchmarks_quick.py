@@ -233,7 +233,7 @@ def test_robustness_quick() -> None:
     result = run_quick("robustness.py")
     assert result["benchmark"] == "robustness" and result["quick"] is True
     assert result["plot"] is None and list(result["results"]) == ["iid"]
-    quick_combines = {"mean", "geometric_median", "cc_bucketing", "cc_secagg"}
+    quick_combines = {"mean", "geometric_median", "cc_bucketing_m", "cc_secagg_m"}
     quick_attacks = {"none", "sign_flip", "alie", "ipm"}
     table = result["results"]["iid"]
     assert set(table) == {"none", "sign_flip", "scale", "gaussian_noise", "label_flip",
@@ -242,13 +242,15 @@ def test_robustness_quick() -> None:
         for combine, acc in row.items():
             # run: the quick cells, except the omniscient attacks under secure aggregation
             ran = attack in quick_attacks and combine in quick_combines and not (
-                attack in ("alie", "ipm") and combine == "cc_secagg")
+                attack in ("alie", "ipm") and combine == "cc_secagg_m")
             assert (acc is not None) == ran, (attack, combine)
             assert acc is None or 0 <= acc <= 1, (attack, combine, acc)
     assert len(result["runs"]) == 14
     attackers = list(choose_attackers(0.2, 20, seed=0))
     for run in result["runs"]:  # the clients that reported attacking are the chosen 20%
-        if run["combine"] == "cc_secagg":  # the secure sum keeps no per-client metrics
+        # the recommended settings run with server momentum, the controls without
+        assert run["server_opt"] == ("fedavgm" if run["combine"].endswith("_m") else "fedavg")
+        if run["combine"] == "cc_secagg_m":  # the secure sum keeps no per-client metrics
             assert run["attackers"] in ([], attackers), run
             assert run["clip_radius"] > 0
             continue
@@ -261,10 +263,10 @@ def test_robustness_quick() -> None:
 @pytest.mark.slow
 def test_robustness_subset_with_client_momentum() -> None:
     result = run_quick("robustness.py", extra=("--attacks", "sign_flip", "--combines",
-                                               "mean,cc_bucketing", "--client-momentum", "0.5"))
+                                               "mean,cc_bucketing_m", "--client-momentum", "0.5"))
     assert result["plot"] is None and result["workload"]["client_momentum"] == 0.5
     momentum = {run["combine"]: run["client_momentum"] for run in result["runs"]}
-    assert momentum == {"mean": 0, "cc_bucketing": 0.5}  # only the centered-clipping cells
+    assert momentum == {"mean": 0, "cc_bucketing_m": 0.5}  # only the centered-clipping cells
     assert all(run["attack"] == "sign_flip" for run in result["runs"])
 
 
