@@ -23,9 +23,9 @@ the silos) is reported apart (``measure_bytes``), and so are FedAvg's bytes as t
 Grid counted them (with the .npy headers and metrics). Reported: per round accuracy,
 bytes and the consensus distance; the rounds and bytes each gossip topology needs to
 get within 0.03 of FedAvg's final accuracy (and FedAvg's own rounds and bytes to that
-level); the seconds a 20-silo exchange takes without training (``exchange_s``: ring
-processes, group set-up, the exchange and the two allreduces); a plot of accuracy
-against bytes goes to docs/gossip.png.
+level), and the first round from which each stays there; the seconds a 20-silo exchange
+takes without training (``exchange_s``: ring processes, group set-up, the exchange and
+the two allreduces); a plot of accuracy against bytes goes to docs/gossip.png.
 
     python benchmarks/gossip.py [--quick] [--rounds N] [--plot PATH]
 
@@ -36,6 +36,7 @@ lines go to stderr; the last line of stdout is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -163,14 +164,18 @@ def per_round(db: str, run_id: str, model_bytes: int, clients: int,
     return out
 
 
-def reach(rows: list[dict[str, Any]], level: float) -> dict[str, Any]:
-    """The first round whose accuracy is at least ``level``, and the bytes sent up to it."""
-    sent = 0
+def reach(rows: list[dict[str, Any]], level: float, *, stay: bool = False) -> dict[str, Any]:
+    """The first round whose accuracy is at least ``level`` (with ``stay``: from which on
+    every round's is), and the bytes sent up to it."""
+    sent, first, first_bytes = 0, None, None
     for row in rows:
         sent += row["bytes"]
-        if row["accuracy"] is not None and row["accuracy"] >= level:
-            return {"round": row["round"], "bytes": sent}
-    return {"round": None, "bytes": None}
+        above = row["accuracy"] is not None and row["accuracy"] >= level
+        if above and first is None:
+            first, first_bytes = row["round"], sent
+        elif not above and stay:
+            first = first_bytes = None
+    return {"round": first, "bytes": first_bytes}
 
 
 def exchange_seconds(n: int, dim: int, trials: int = 3) -> float:
@@ -237,6 +242,7 @@ def plot(path: Path, systems: dict[str, list[dict[str, Any]]], fedavg_final: flo
         ax.grid(alpha=0.3)
     by_bytes.set_xlabel("model bytes on the wire, cumulative (MB)")
     by_round.set_xlabel("round")
+    by_round.xaxis.get_major_locator().set_params(integer=True)
     by_bytes.legend(fontsize=8)
     fig.suptitle("Gossip (D-PSGD) vs FedAvg: digits, 20 silos, Dirichlet(0.5)")
     fig.tight_layout()
@@ -259,7 +265,7 @@ def main() -> int:
     load_before = load_average()
     systems: dict[str, list[dict[str, Any]]] = {}
     runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
         db = f"sqlite:///{Path(tmp) / 'gossip.db'}"
         fedavg_config = scenario("sync", rounds, args.quick)
         clients = fedavg_config["federation"]["clients"]
@@ -281,6 +287,7 @@ def main() -> int:
     fedavg_final = systems["fedavg"][-1]["accuracy"]
     level = fedavg_final - WITHIN
     reached = {name: reach(rows, level) for name, rows in systems.items()}
+    stays = {name: reach(rows, level, stay=True) for name, rows in systems.items()}
     exchange_s = exchange_seconds(clients, dim, trials=1 if args.quick else 3)
     log(f"a {clients}-silo exchange without training: {exchange_s:.2f} s")
     if plot_path is not None:
@@ -292,7 +299,7 @@ def main() -> int:
                      "parameters": dim, "holdout_fraction": HOLDOUT, "random_degree": 4,
                      "local_epochs": fedavg_config["train"]["local_epochs"]},
         "fedavg_final_accuracy": fedavg_final, "within": WITHIN, "level": level,
-        "reached": reached,
+        "reached": reached, "reached_to_stay": stays,
         "bytes_per_round": {name: rows[-1]["bytes"] for name, rows in systems.items()},
         "final_accuracy": {name: rows[-1]["accuracy"] for name, rows in systems.items()},
         "exchange_s": round(exchange_s, 3), "runs": runs, "rounds": systems,
