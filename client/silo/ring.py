@@ -187,7 +187,10 @@ def _context() -> Any:
             method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
             ctx = mp.get_context(method)
             if method == "forkserver":
-                ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+                # what every ring process runs: the collectives, gossip's exchange
+                ctx.set_forkserver_preload(["torch", "torch.distributed", __name__,
+                                            "aggregation.ring.collective",
+                                            "client.silo.gossip"])
             _CTX = ctx
         return _CTX
 
