@@ -1,9 +1,10 @@
 """Gossip among real silos: a SuperLink, SuperNodes, `fedring silo` jobs and `flwr run`.
 
-Three single-process silos gossip; in round 2 the last silo's whole torchrun job is
-killed (SIGKILL) as its SuperNode receives the message. Round 2 fails once the others
-give up on it at the rendezvous, the dead silo is excluded, and round 3 runs on a
-topology of the two left, so the run completes.
+Three silos gossip, the first of two processes (DDP inside, every rank training on the
+partition less the held-out split), the others of one. In round 2 the last silo's whole
+torchrun job is killed (SIGKILL) as its SuperNode receives the message. Round 2 fails
+once the others give up on it at the rendezvous, the dead silo is excluded, and round 3
+runs on a topology of the two left, so the run completes.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from silo_helpers import deployed_silos, flwr_run
 
 from server.store import Store
 from simulations import deploy
+from simulations.task import ScenarioTask
 
-SILOS = 3
+PROCESSES = (2, 1, 1)  # per silo
+SILOS = len(PROCESSES)
 FEDERATION = "fedring-gossip"
 
 pytestmark = pytest.mark.slow
@@ -32,7 +35,7 @@ def _gossip_messages(log: str) -> int:
 
 def test_a_killed_silo_is_dropped_from_the_next_topology_and_the_run_finishes(
         tmp_path: Path) -> None:
-    with deployed_silos(tmp_path, (1,) * SILOS, FEDERATION) as silos:
+    with deployed_silos(tmp_path, PROCESSES, FEDERATION) as silos:
         db = f"sqlite:///{silos['tmp'] / 'gossip.db'}"
         victim_node = silos["procs"][f"supernode-{SILOS - 1}"]
         victim_silo = silos["procs"][f"silo-{SILOS - 1}"]
@@ -62,6 +65,11 @@ def test_a_killed_silo_is_dropped_from_the_next_topology_and_the_run_finishes(
     assert first.metrics["gossip_silos"] == SILOS and 0 <= first.metrics["accuracy"] <= 1
     assert first.metrics["consensus_distance"] > 0
     assert all(0 <= u.metrics["heldout_acc"] <= 1 for u in updates[1].values())
+    task = ScenarioTask.from_config(info.config)  # silos train on their partition less 20%
+    examples = sum(len(task.partition(pid)[1]) for pid in range(SILOS))
+    assert sum(u.num_examples + u.metrics["heldout_examples"]
+               for u in updates[1].values()) == examples
+    assert all(u.metrics["heldout_examples"] > 0 for u in updates[1].values())
     victim = next(cid for cid, u in updates[2].items() if u.fate == "dropped")
     assert "hung or died" in updates[2][victim].reason
     assert third.metrics["gossip_silos"] == SILOS - 1 and third.num_accepted == SILOS - 1
