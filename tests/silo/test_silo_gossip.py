@@ -301,6 +301,19 @@ def test_a_round_that_fails_after_the_silos_mixed_changes_no_model(run_inprocess
                                       rec.pending[(1, node)])
 
 
+def test_a_gossip_run_cannot_be_resumed(run_inprocess, store, db_url) -> None:
+    from server.app import run_server
+    from simulations.apps import build_task
+
+    config = gossip_scenario(rounds=1)
+    summary = run_inprocess(config, grid=ConcurrentGrid(Recorder(), SILOS))
+    assert summary["status"] == "completed"
+    assert store.load_checkpoint(summary["run_id"]) is None  # the models are on the silos
+    with pytest.raises(ValueError, match="cannot be resumed"):
+        run_server(ConcurrentGrid(Recorder(), SILOS), config, task=build_task(config),
+                   store_url=db_url, resume=summary["run_id"])
+
+
 @pytest.mark.parametrize(("values", "key"), [
     ({"secagg.enabled": True}, "secagg.enabled"),
     ({"dp.mode": "central", "dp.clip": 1.0, "dp.noise_multiplier": 1.0,
