@@ -51,11 +51,11 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
 
     With ``resume`` (a run id in the store) the run continues from its last checkpoint.
 
-    The ``[driver]`` section picks the round source (sync, FedAsync, FedBuff or
-    cross-silo), which ``server.run_loop.RunLoop`` drives; ``clock`` is a simulated clock in
-    simulations, else the wall clock is used. ``pre_combine`` may rewrite each sync
-    round's updates before they are aggregated (``aggregation.pipeline.Pipeline``; the
-    simulations' omniscient attackers).
+    The ``[driver]`` section picks the round source (sync, FedAsync, FedBuff,
+    cross-silo or gossip), which ``server.run_loop.RunLoop`` drives; ``clock`` is a
+    simulated clock in simulations, else the wall clock is used. ``pre_combine`` may
+    rewrite each sync round's updates before they are aggregated
+    (``aggregation.pipeline.Pipeline``; the simulations' omniscient attackers).
     """
     check_rules(config)  # a configuration made by hand is refused before any round too
     scenario = ServerScenario.of(config)  # the typed sections, parsed once
@@ -81,6 +81,12 @@ def round_source(ctx: RunContext, *, secure: SecureSettings | None) -> RoundSour
     """The round source ``[driver] kind`` names, secure when ``secure`` is given."""
     scenario, kind = ctx.scenario, ctx.driver_config.kind
     compression = ReplyCompression.of(scenario.compression, secure=secure is not None)
+    if kind == "gossip":  # each silo averages its own model with its neighbours'
+        from server.cross_silo import CrossSiloRounds
+        from server.gossip import GossipRing
+
+        return CrossSiloRounds(ctx, silo=scenario.silo, aggregation=scenario.aggregation,
+                               ring=GossipRing(scenario.gossip))
     if kind == "cross_silo":  # the silos aggregate among themselves over a ring
         from server.cross_silo import CrossSiloRounds
         from server.cross_silo_secure import SecureRing

@@ -87,9 +87,10 @@ class SiloReply:
 
 
 def decode_reply(node: int, rank: int, reply: Message | None,
-                 words: np.dtype | None = None) -> SiloReply:
+                 words: np.dtype | None = None, *, aggregate: bool = True) -> SiloReply:
     """A silo's reply as a :class:`SiloReply` (``missing`` or ``error`` when it is no answer);
-    with ``words`` ring rank 0's aggregate is a masked sum of that unsigned dtype."""
+    with ``words`` ring rank 0's aggregate is a masked sum of that unsigned dtype; without
+    ``aggregate`` (gossip) no silo sends one."""
     if reply is None:
         return SiloReply(node, rank, MISSING, "no reply before the deadline: the silo hung "
                                               "or died")
@@ -120,7 +121,7 @@ def decode_reply(node: int, rank: int, reply: Message | None,
     peers = result.get("peers", [])
     if isinstance(peers, list):
         out.peers = tuple(int(p) for p in peers if isinstance(p, int) and not isinstance(p, bool))
-    if out.status == RingStatus.OK and rank == 0:
+    if out.status == RingStatus.OK and rank == 0 and aggregate:
         record = reply.content.get(RingRecord.AGGREGATE)
         try:
             if not isinstance(record, ArrayRecord):
@@ -144,15 +145,12 @@ class CrossSiloOutcome:
 
     order: list[int]  # node ids in ring order
     silos: list[SiloReply]
-    aggregate: np.ndarray | None = None  # set when the round completed
+    aggregate: np.ndarray | None = None  # set when a ring round completed
     total_weight: float = 0.0
     count: int = 0
     failure: str = ""
     blamed: dict[int, str] = field(default_factory=dict)  # node -> why it is excluded
-
-    @property
-    def completed(self) -> bool:
-        return self.aggregate is not None
+    completed: bool = False
 
     def records(self, version: int) -> list[UpdateRecord]:
         """Every silo's fate: accepted, rejected (why) or dropped (no reply)."""
@@ -190,7 +188,42 @@ def judge(order: list[int], replies: dict[int, Message], dim: int,
     With ``words`` the aggregate is a masked sum of ``dim`` such words (its weight is
     under the masks, so no weight is checked). ``joined``: the nodes that arrived at the
     round's rendezvous; a silent one of them is blamed only if a peer's report names it."""
-    silos = [decode_reply(node, rank, replies.get(node), words)
+    outcome = judge_failures(order, replies, words=words, joined=joined)
+    if outcome.failure:
+        return outcome
+    silos = outcome.silos
+    leader = silos[0]
+    aggregate = leader.aggregate
+    if aggregate is None or aggregate.shape != (dim,) or not np.all(np.isfinite(aggregate)):
+        shape = None if aggregate is None else aggregate.shape
+        outcome.blamed[leader.node] = (f"ring rank 0 sent an aggregate of shape {shape} or "
+                                       f"with NaN/Inf, expected {dim} finite values")
+        outcome.failure = outcome.blamed[leader.node]
+        return outcome
+    # The digest most silos report is the ring's result; a silo that disagrees is wrong,
+    # and so is an aggregate whose own digest is not that one.
+    own = aggregate_digest(aggregate, leader.total_weight, leader.count)
+    consensus = blame_dissent(outcome, own)
+    if own != consensus:
+        outcome.blamed[leader.node] = (f"the aggregate's sha256 {own[:12]} differs from the "
+                                       f"digest the silos report, {consensus[:12]}")
+    if outcome.blamed:
+        outcome.failure = f"digest mismatch: {len(outcome.blamed)} silo(s) disagree"
+        return outcome
+    if leader.total_weight <= 0 and words is None:
+        outcome.failure = "no silo contributed an update (every weight was zero)"
+        return outcome
+    outcome.aggregate, outcome.completed = aggregate, True
+    outcome.total_weight, outcome.count = leader.total_weight, leader.count
+    return outcome
+
+
+def judge_failures(order: list[int], replies: dict[int, Message], *,
+                   words: np.dtype | None = None, joined: Set[int] = frozenset(),
+                   aggregate: bool = True) -> CrossSiloOutcome:
+    """The replies decoded, whom to blame for silence or errors, and the failure if any
+    silo did not report success (``outcome.failure`` empty: every silo did)."""
+    silos = [decode_reply(node, rank, replies.get(node), words, aggregate=aggregate)
              for rank, node in enumerate(order)]
     outcome = CrossSiloOutcome(order=list(order), silos=silos)
     named = {rank for s in silos for rank in s.peers}
@@ -205,36 +238,20 @@ def judge(order: list[int], replies: dict[int, Message], dim: int,
         first = next((s for s in failed if s.status not in (MISSING, ERROR)), failed[0])
         outcome.failure = (f"{len(failed)} of {len(silos)} silo(s) failed; ring rank "
                            f"{first.rank} (node {first.node}): {first.status}: {first.reason}")
-        return outcome
-    leader = silos[0]
-    aggregate = leader.aggregate
-    if aggregate is None or aggregate.shape != (dim,) or not np.all(np.isfinite(aggregate)):
-        shape = None if aggregate is None else aggregate.shape
-        outcome.blamed[leader.node] = (f"ring rank 0 sent an aggregate of shape {shape} or "
-                                       f"with NaN/Inf, expected {dim} finite values")
-        outcome.failure = outcome.blamed[leader.node]
-        return outcome
-    # The digest most silos report is the ring's result; a silo that disagrees is wrong,
-    # and so is an aggregate whose own digest is not that one.
-    votes = collections.Counter(s.digest for s in silos)
-    own = aggregate_digest(aggregate, leader.total_weight, leader.count)
+    return outcome
+
+
+def blame_dissent(outcome: CrossSiloOutcome, own: str | None = None) -> str:
+    """The digest most silos report (the group's result); every silo that reports another is
+    blamed. With ``own`` (the digest of the aggregate ring rank 0 sent), that one wins a
+    tie."""
+    votes = collections.Counter(s.digest for s in outcome.silos)
     consensus = max(votes, key=lambda d: (votes[d], d == own))
-    for s in silos:
+    for s in outcome.silos:
         if s.digest != consensus:
             outcome.blamed[s.node] = (f"digest {s.digest[:12]} differs from the ring's "
                                       f"{consensus[:12]} (ring rank {s.rank})")
-    if own != consensus:
-        outcome.blamed[leader.node] = (f"the aggregate's sha256 {own[:12]} differs from the "
-                                       f"digest the silos report, {consensus[:12]}")
-    if outcome.blamed:
-        outcome.failure = f"digest mismatch: {len(outcome.blamed)} silo(s) disagree"
-        return outcome
-    if leader.total_weight <= 0 and words is None:
-        outcome.failure = "no silo contributed an update (every weight was zero)"
-        return outcome
-    outcome.aggregate = aggregate
-    outcome.total_weight, outcome.count = leader.total_weight, leader.count
-    return outcome
+    return consensus
 
 
 class Rendezvous:
@@ -251,7 +268,11 @@ class Rendezvous:
 
 
 class RingCollector(Protocol):
-    """Runs one cross-silo round's ring with the silos of ``order``, up to its result."""
+    """Runs one cross-silo round's ring with the silos of ``order``, up to its result.
+    ``central_model``: whether the round yields an aggregate for a global model (False for
+    gossip, ``server.gossip``)."""
+
+    central_model: bool
 
     def collect(self, rounds: CrossSiloRounds, run_id: str, rnd: int,
                 order: list[int]) -> RoundResult: ...
@@ -268,6 +289,7 @@ class CrossSiloRounds(RoundSource):
         self.combine, self.weight_by = aggregation.combine, aggregation.weight_by
         self.max_norm = float(aggregation.max_norm)
         self.ring = ring or PlainRing()
+        self.central_model = self.ring.central_model
         self.excluded: dict[int, str] = {}  # node -> why it takes no further part
         self.rendezvous: Rendezvous | None = None
 
@@ -387,6 +409,8 @@ class CrossSiloRounds(RoundSource):
 
 class PlainRing:
     """The silos allreduce their updates; rank 0 sends the aggregate, all send digests."""
+
+    central_model = True
 
     def collect(self, rounds: CrossSiloRounds, run_id: str, rnd: int,
                 order: list[int]) -> RoundResult:

@@ -1,8 +1,9 @@
 """The ``[silo]`` scenario section: how silos meet over the ring in cross-silo rounds.
 
-Cross-silo rounds run with ``[driver] kind = "cross_silo"``;
-``server.rules.check_cross_silo`` refuses the combinations the ring cannot honour, at
-start, naming the key to change. With
+Cross-silo rounds run with ``[driver] kind = "cross_silo"`` (a ring sum) or ``"gossip"``
+(each silo averages its own model with its neighbours', ``[gossip]``);
+``server.rules.check_cross_silo`` and ``check_gossip`` refuse the combinations they
+cannot honour, at start, naming the key to change. With
 ``[secagg] enabled`` the ring sums masked vectors (``server.cross_silo_secure``); the
 ``[secagg]`` and ``[dp]`` checks then apply as for sync secure rounds.
 """
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aggregation.gossip import TOPOLOGIES
 from aggregation.ring import ALGORITHMS
 from server.config import check_choice
 
 CROSS_SILO = "cross_silo"
+GOSSIP = "gossip"
+SILO_DRIVERS = (CROSS_SILO, GOSSIP)  # the drivers whose rounds run among silos
 RING_BACKENDS = ("gloo", "nccl")
 
 
@@ -56,3 +60,30 @@ class SiloConfig:
         on a stalled ring (``ring_timeout_s``) before it gives up and reports, plus 5 s.
         Counted from when it joined the rendezvous, so the server never gives up first."""
         return self.join_timeout_s + self.ring_timeout_s + 5.0
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """``[gossip]``: the topology of gossip rounds and each silo's held-out split.
+
+    Every round the server draws the silos' graph, ``topology`` "ring" or "random" (a
+    random connected graph of at most ``degree`` neighbours per silo, seeded by the run
+    seed and the round), and its Metropolis–Hastings weights (``aggregation.gossip``).
+    Each silo holds out ``holdout_fraction`` of its partition (a split seeded by the
+    run seed and its partition id, the same every round), trains on the rest and
+    evaluates its mixed model on it.
+    """
+
+    topology: str = "ring"
+    degree: int = 4
+    holdout_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        check_choice("gossip.topology", self.topology, TOPOLOGIES)
+        if self.degree < 2:
+            raise ValueError(f"gossip.degree must be >= 2 (the random topology contains a "
+                             f"ring), got {self.degree}")
+        if not 0 < self.holdout_fraction < 1:
+            raise ValueError(f"gossip.holdout_fraction must be in (0, 1): each silo "
+                             f"evaluates on that share of its partition, got "
+                             f"{self.holdout_fraction}")

@@ -89,6 +89,8 @@ class RingStage:
 class SecureRing:
     """Secure cross-silo rounds: a SecAgg+ session whose masked-input stage is the ring."""
 
+    central_model = True
+
     def __init__(self, secure: SecureSettings) -> None:
         self.secure = secure
 

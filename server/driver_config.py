@@ -1,6 +1,6 @@
 """The ``[driver]`` and ``[clients]`` scenario sections, validated.
 
-``[driver]`` picks the round driver (sync, FedAsync, FedBuff or cross-silo), its straggler
+``[driver]`` picks the round driver (sync, FedAsync, FedBuff, cross-silo or gossip), its straggler
 handling and the staleness keys (``server.config.StalenessConfig``, which the aggregation
 pipeline applies); ``[clients]`` describes simulated client speed and availability.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from server.config import StalenessConfig, check_choice
 
-DRIVER_KINDS = ("sync", "fedasync", "fedbuff", "cross_silo")
+DRIVER_KINDS = ("sync", "fedasync", "fedbuff", "cross_silo", "gossip")
 LATE_POLICIES = ("drop", "carry")
 FEDASYNC_SECAGG = ("driver.kind 'fedasync' applies each update on its own, and a single "
                    "update cannot be hidden in a sum: with secagg.enabled = true use "

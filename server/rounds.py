@@ -141,7 +141,14 @@ class RoundResult:
 
 class RoundSource:
     """Produces the run's rounds; ``RunLoop`` finishes each one. Subclasses implement
-    :meth:`next_round` and override the other hooks where they need them."""
+    :meth:`next_round` and override the other hooks where they need them.
+
+    ``central_model`` False (gossip): the rounds produce no aggregate and there is no
+    global model; a round counts as done when its status is "completed", and its metrics
+    (the silos' own figures) are all the run loop records. Such runs keep no checkpoint
+    and cannot be resumed: the models live on the silos."""
+
+    central_model = True
 
     @contextmanager
     def session(self) -> Iterator[None]:

@@ -25,7 +25,7 @@ from server.config import (
     AggregationConfig,
     FederationConfig,
 )
-from server.cross_silo_config import CROSS_SILO, SiloConfig
+from server.cross_silo_config import CROSS_SILO, GOSSIP, GossipConfig, SiloConfig
 from server.dp import dp_controller
 from server.driver_config import FEDASYNC_SECAGG, DriverConfig
 from server.secagg_config import MIN_LEVEL_BITS, SecAggScenarioConfig, max_round_size
@@ -38,6 +38,7 @@ def check_rules(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None = N
     fed = FederationConfig(**config["federation"])
     dp = DPConfig.from_dict(config.get("dp", {}))
     check_compression(config, raw_secagg)  # may resolve [secagg] bits for QSGD
+    check_gossip(config)  # before [dp]: gossip's own message says why it has no global model
     check_dp(config, dp, fed)
     check_driver(config)
     check_cross_silo(config)  # before [secagg]: its own message says why the ring refuses it
@@ -54,8 +55,8 @@ def check_compression(config: dict[str, Any], raw_secagg: Mapping[str, Any] | No
         return
     secure = bool(config.get("secagg", {}).get("enabled", False))
     driver = dict(config.get("driver", {}))
-    if driver.get("kind", "sync") == "cross_silo":
-        return  # the cross-silo check refuses it with its own message
+    if driver.get("kind", "sync") in (CROSS_SILO, GOSSIP):
+        return  # the cross-silo and gossip checks refuse it with their own messages
     if cfg.shared_pattern and driver.get("late_policy", "drop") == "carry":
         raise ValueError("compression.shared_pattern ties the coordinates to one round, so a "
                          "late update carried into the next round would not line up: set "
@@ -224,15 +225,70 @@ def check_cross_silo(config: Mapping[str, Any]) -> SiloConfig | None:
     if driver.late_policy != "drop":
         raise ValueError("driver.late_policy 'carry' has no meaning for cross-silo rounds: a "
                          "ring waits for every silo or fails; set it to 'drop'")
+    check_silo_deadline(config, silo)
+    return silo
+
+
+def check_silo_deadline(config: Mapping[str, Any], silo: SiloConfig) -> None:
+    """The server must wait longer for a silo round than a silo waits for its peers."""
+    driver = DriverConfig(**config.get("driver", {}))
     fed = FederationConfig(**config["federation"])
     deadline = driver.deadline(fed.round_timeout_s)
     if deadline <= silo.join_timeout_s + silo.ring_timeout_s:
-        raise ValueError(f"the server waits {deadline:g} s for a cross-silo round "
+        raise ValueError(f"the server waits {deadline:g} s for a {driver.kind} round "
                          f"(driver.deadline_s, else federation.round_timeout_s), not more than "
                          f"silo.join_timeout_s + silo.ring_timeout_s = "
                          f"{silo.join_timeout_s + silo.ring_timeout_s:g} s: raise it or lower "
                          "those")
-    return silo
+
+
+# (key, the value gossip needs, why) for settings that act on a global model or an update
+# the server sees: gossip has neither.
+_GOSSIP_NEEDS = (
+    ("aggregation.combine", "mean", "robust combines need every update on the server"),
+    ("aggregation.server_opt", "fedavg", "a server optimizer steps a global model"),
+    ("aggregation.server_lr", 1.0, "a server learning rate scales a global step"),
+    ("aggregation.max_norm", 0.0, "the server checks no update"),
+    ("aggregation.bucketing", 0, "bucketing averages updates on the server"),
+    ("aggregation.clip_radius", 0.0, "centered clipping acts on updates on the server"),
+    ("aggregation.client_momentum", 0.0, "the silo client keeps no worker momentum"),
+    ("aggregation.local_buffers", False, "gossip mixes the whole model vector"),
+    ("dp.mode", "off", "the privacy accountant charges a released global model"),
+    ("secagg.enabled", False, "there is no sum for the server to unmask"),
+    ("compression.kind", "none", "silos exchange dense models"),
+    ("attack.fraction", 0.0, "simulated attackers forge updates sent to the server"),
+    ("audit.canaries", 0, "canaries are inserted into a global model's updates"),
+    ("driver.staleness", "constant", "staleness weights updates against a model version"),
+    ("driver.max_staleness", -1, "staleness bounds updates against a model version"),
+    ("driver.late_policy", "drop", "a gossip round waits for every silo or fails"),
+    ("driver.target_accuracy", 0.0, "it is checked on a central model's accuracy"),
+)
+
+
+def check_gossip(config: Mapping[str, Any]) -> GossipConfig | None:
+    """The ``[gossip]`` settings of a gossip scenario (None for other drivers), or a clear
+    error for a setting that needs a global model or a server that sees updates."""
+    driver = DriverConfig(**config.get("driver", {}))
+    if driver.kind != GOSSIP:
+        return None
+    gossip = GossipConfig(**config.get("gossip", {}))
+    for key, needed, why in _GOSSIP_NEEDS:
+        section, name = key.split(".")
+        value = dict(config.get(section) or {}).get(name, needed)
+        if value != needed:
+            raise ValueError(f"driver.kind 'gossip' has no global model and the server sees "
+                             f"no update ({why}): set {key} = {needed!r}, got {value!r}")
+    fed = FederationConfig(**config["federation"])
+    if fed.clients < 2 or fed.max_per_round() < 2:
+        raise ValueError(f"driver.kind 'gossip' needs at least 2 silos per round, the "
+                         f"federation has {fed.clients} client(s) and samples "
+                         f"{fed.max_per_round()}: raise federation.clients or "
+                         "federation.sample_fraction")
+    if fed.min_clients < 2:
+        raise ValueError(f"driver.kind 'gossip' needs two silos to average: set "
+                         f"federation.min_clients >= 2, got {fed.min_clients}")
+    check_silo_deadline(config, SiloConfig(**config.get("silo", {})))
+    return gossip
 
 
 def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:

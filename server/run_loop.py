@@ -69,6 +69,9 @@ class RunLoop:
         result equals an uninterrupted run's (up to DP noise, which is never replayable, and
         cohorts under DP without ``dp.reproducible_cohorts``, which are drawn in secret)."""
         ctx, state = self.ctx, self.ctx.state
+        if not self.source.central_model:
+            raise ValueError(f"run {run_id} cannot be resumed: its rounds ({ctx.driver_config.kind}"
+                             ") keep each silo's model on the silo, not in a checkpoint")
         ckpt = ctx.store.load_checkpoint(run_id)
         if ckpt is None:
             raise ValueError(f"run {run_id} has no checkpoint to resume from (it needs "
@@ -97,19 +100,23 @@ class RunLoop:
                      t0: float) -> dict[str, float]:
         """Apply, version, evaluate, account, record, checkpoint and report round ``rnd``."""
         ctx, state = self.ctx, self.ctx.state
-        applied = result.aggregate is not None
+        central = self.source.central_model
+        applied = result.aggregate is not None if central else result.status == "completed"
         if self.audit is not None:  # sizes the canaries of a run without DP
             self.audit.observe_norms(r.norm for r in result.records
                                      if r.fate == "accepted" and r.norm is not None)
-        kept = state.params[ctx.local_mask] if ctx.local_mask is not None else None
-        state.params = ctx.pipeline.apply(state.params, result.aggregate,
-                                          total_weight=result.total_weight, count=result.count)
-        if kept is not None:  # FedBN: the clients keep these; the server's stay as they were
-            state.params[ctx.local_mask] = kept
-        if applied:
+        if central:
+            kept = state.params[ctx.local_mask] if ctx.local_mask is not None else None
+            state.params = ctx.pipeline.apply(state.params, result.aggregate,
+                                              total_weight=result.total_weight,
+                                              count=result.count)
+            if kept is not None:  # FedBN: the clients keep these; the server's stay as they were
+                state.params[ctx.local_mask] = kept
+        if applied:  # without a central model: the rounds that changed the silos' models
             state.version += 1
         state.round = rnd
-        metrics = {k: float(v) for k, v in ctx.task.evaluate(state.params).items()}
+        metrics = ({k: float(v) for k, v in ctx.task.evaluate(state.params).items()}
+                   if central else {})
         if ctx.clock.simulated:
             metrics["sim_time_s"] = ctx.clock.now()
         metrics.update(result.metrics)
@@ -134,8 +141,8 @@ class RunLoop:
         if result.secure is not None:
             ctx.store.record_secagg_round(run_id, round=rnd, **result.secure.session_record())
         state.history.append(metrics)
-        if ctx.fed.checkpoint_every and (rnd % ctx.fed.checkpoint_every == 0
-                                         or rnd == ctx.fed.rounds):
+        if central and ctx.fed.checkpoint_every and (rnd % ctx.fed.checkpoint_every == 0
+                                                     or rnd == ctx.fed.rounds):
             # Written on the store's writer thread while the next round runs.
             ctx.store.save_checkpoint_in_background(
                 run_id, round=rnd, model_version=state.version, params=state.params,

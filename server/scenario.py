@@ -16,7 +16,7 @@ from aggregation.compression import CompressionConfig
 from privacy.dp import DPConfig
 from server.audit import AuditConfig
 from server.config import AggregationConfig, FederationConfig
-from server.cross_silo_config import SiloConfig
+from server.cross_silo_config import GossipConfig, SiloConfig
 from server.driver_config import DriverConfig
 from server.secagg_config import SecAggScenarioConfig
 
@@ -34,6 +34,7 @@ class ServerScenario:
     secagg: SecAggScenarioConfig
     compression: CompressionConfig
     silo: SiloConfig
+    gossip: GossipConfig
     audit: AuditConfig
 
     @classmethod
@@ -50,4 +51,5 @@ class ServerScenario:
                    secagg=SecAggScenarioConfig.from_dict(section("secagg")),
                    compression=CompressionConfig(**section("compression")),
                    silo=SiloConfig(**section("silo")),
+                   gossip=GossipConfig(**section("gossip")),
                    audit=AuditConfig(**section("audit")))

@@ -63,9 +63,10 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     task = build_task(config)  # fails here, before any engine starts, on bad data or model
     TrackingConfig(**config.get("tracking", {})).require()  # and on a missing extra
     device = resolve_device(config["train"]["device"]).type  # clients train on this machine
-    cross_silo = config.get("driver", {}).get("kind") == "cross_silo"
+    kind = config.get("driver", {}).get("kind")
+    cross_silo = kind in ("cross_silo", "gossip")  # rounds among silos, over their groups
     if cross_silo and engine != "inprocess":
-        raise ValueError("driver.kind 'cross_silo' needs every silo of a ring running at once: "
+        raise ValueError(f"driver.kind '{kind}' needs every silo of a round running at once: "
                          "use --engine inprocess, or deploy silos with `fedring silo`")
     result: dict[str, Any] = {}
     # the server uses the task checked above, not a second build (partition 0, evaluation)

@@ -24,7 +24,7 @@ from server.config import (
     check_choice,
     from_section,
 )
-from server.cross_silo_config import SiloConfig
+from server.cross_silo_config import GossipConfig, SiloConfig
 from server.driver_config import ClientsConfig, DriverConfig
 from server.rules import check_rules
 from server.secagg_config import SecAggScenarioConfig
@@ -77,6 +77,7 @@ SECTIONS: dict[str, type] = {
     "clients": ClientsConfig,
     "secagg": SecAggScenarioConfig,
     "silo": SiloConfig,
+    "gossip": GossipConfig,
     "attack": AttackConfig,
     "compression": CompressionConfig,
     "audit": AuditConfig,

@@ -12,6 +12,9 @@ A silo answers the same messages as any fedring client, and one more:
   stages): mask the update as a SecAgg+ client does (FORWARDED_SHARES -> MASKED_INPUT,
   ``client.secure_client``), sum the masked words over the ring and reply with the
   digest of the masked sum; ring rank 0 adds the masked sum itself.
+- ``train.gossip`` (gossip rounds, ``client.silo.gossip``): train the silo's own model
+  (the server's initial model in its first round), mix it with its neighbours' in the
+  round's group, evaluate the mixed model on its held-out split; reply with metrics only.
 - ``evaluate`` and the secure-aggregation stages, as fedring's ClientApp.
 
 Each (task, node) has its own model and data, so several silos can live in one process
@@ -36,6 +39,7 @@ from client import local_state
 from client.app import FedringClient, LocalUpdate, noise_rng, record_of, training_seed
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
+from client.protocol.gossip import GOSSIP_ACTION, GossipMetric, GossipSpec
 from client.protocol.keys import ConfigKey, MetricKey, RecordName
 from client.protocol.ring import (
     CROSS_SILO_ACTION,
@@ -49,9 +53,10 @@ from client.protocol.ring import (
 from client.protocol.secagg import SecAggKey, SecAggRecord
 from client.protocol.updates import delta_record, flatten_model, model_views
 from client.secure_client import SecureClient, register_secagg
+from client.silo.gossip import HeldModel, holdout_split, mix
 from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
-from client.training import train, train_dp_sgd
+from client.training import evaluate, train, train_dp_sgd
 from privacy.dp import local_dp_update
 from privacy.secagg.messages import decode_masked_input
 
@@ -78,6 +83,26 @@ class SiloWorker:
             x, y = self.task.partition(pid)
             self.data[pid] = (x.to(self.device), y.to(self.device))
         return self.data[pid]
+
+    def training_data(self, pid: int, holdout: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partition, less its held-out split when ``holdout`` > 0."""
+        x, y = self.partition(pid)
+        if holdout <= 0:
+            return x, y
+        train_idx, _ = self._split(pid, holdout, len(x))
+        return x[train_idx], y[train_idx]
+
+    def held_out(self, pid: int, holdout: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The partition's held-out split (``client.silo.gossip.holdout_split``)."""
+        x, y = self.partition(pid)
+        _, held = self._split(pid, holdout, len(x))
+        return x[held], y[held]
+
+    def _split(self, pid: int, holdout: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        train_idx, held = holdout_split(n, holdout, self.task.seed, pid)
+        return (torch.from_numpy(train_idx).to(self.device),
+                torch.from_numpy(held).to(self.device))
 
     def to_module(self) -> None:
         """Copy the host vector into the training module (a no-op on the CPU)."""
@@ -112,7 +137,8 @@ class Group(Protocol):
 
     size: int
 
-    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int) -> float: ...
+    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
+              holdout: float = 0.0) -> float: ...
 
 
 def update_problem(delta: np.ndarray, max_norm: float) -> tuple[str | None, float]:
@@ -147,8 +173,10 @@ class SiloClient(FedringClient):
                                                  sort_keys=True)
         return self._specs[run_config]
 
-    def local_update(self, msg: Message, context: Context) -> LocalUpdate:
-        """Load the sent model, train on the silo's partition; the delta and its metrics."""
+    def local_update(self, msg: Message, context: Context, *, start: np.ndarray | None = None,
+                     holdout: float = 0.0) -> LocalUpdate:
+        """Load the sent model (or ``start``, the silo's own), train on the silo's partition
+        (less the held-out split when ``holdout`` > 0); the delta and its metrics."""
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         key = self._task_key(config, context)
         worker = self.workers.get(key, context.node_id)
@@ -156,10 +184,18 @@ class SiloClient(FedringClient):
             raise WireError("a silo trains with fedring's data-parallel loop, which cannot run "
                             "the task module's own train(): remove train() from the module")
         pid = self._partition_id(context)
-        x, y = worker.partition(pid)
+        x, y = worker.training_data(pid, holdout)
         model, cfg = worker.model, worker.task.train_config
-        base = model_views(record_of(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout)
-        flatten_model(base, model.layout, out=model.flat_np)
+        if start is None:
+            base = model_views(record_of(msg.content, ArrayRecord, RecordName.ARRAYS),
+                               model.layout)
+            flatten_model(base, model.layout, out=model.flat_np)
+        else:
+            if start.shape != (model.dim,):
+                raise WireError(f"the silo's own model has {start.size} values, the task's "
+                                f"model {model.dim}")
+            np.copyto(model.flat_np, start)
+            base = model.layout.unflatten(start)
         delta = worker.delta
         np.copyto(delta, model.flat_np)  # the global model, until the delta replaces it
         base_flat = delta.copy()  # kept for a full-weights reply
@@ -169,13 +205,13 @@ class SiloClient(FedringClient):
         seed = training_seed(worker.task.seed, int(config.get(ConfigKey.SERVER_ROUND, 0)), pid)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
         if self.group is not None and self.group.size > 1:
-            loss = self.group.train(worker, key, pid, seed)
+            loss = self.group.train(worker, key, pid, seed, holdout)
         elif cfg.dp_sgd:
             loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(worker.module, x, y, cfg)
         else:
-            start = ([p.detach().clone() for p in worker.module.parameters()]
-                     if cfg.proximal_mu > 0 else None)
-            loss = train(worker.module, x, y, cfg, seed=seed, global_params=start)
+            start_params = ([p.detach().clone() for p in worker.module.parameters()]
+                            if cfg.proximal_mu > 0 else None)
+            loss = train(worker.module, x, y, cfg, seed=seed, global_params=start_params)
         worker.from_module()
         local_state.keep(context.state, model, fedbn)
         metrics["train_loss"] = loss
@@ -228,24 +264,74 @@ class SiloClient(FedringClient):
         return self._ring_reply(msg, MetricRecord(), result, spec, lambda: ring_sum_words(
             own.vector, bits, spec, cuda_device=device.index or 0))
 
+    def gossip(self, msg: Message, context: Context) -> Message:
+        """Train this silo's own model, mix it with its neighbours' in the round's group,
+        evaluate the mixed model on the held-out split; reply with metrics only."""
+        ring, spec = ring_spec(msg.content)
+        plan = GossipSpec.of(ring, spec.rank, spec.size)
+        config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
+        rnd = int(config.get(ConfigKey.SERVER_ROUND, 0))
+        held = HeldModel(context.state)
+        if isinstance(msg.content.get(RecordName.ARRAYS), ArrayRecord):  # the first round
+            update = self.local_update(msg, context, holdout=plan.holdout)
+            held.start(plan.commit_round, update.base_flat)
+        else:
+            try:
+                start = held.start(plan.commit_round, None)
+            except ValueError as exc:
+                raise WireError(str(exc)) from None
+            update = self.local_update(msg, context, start=start, holdout=plan.holdout)
+        metrics = update.metrics
+        result = ConfigRecord({RingKey.STATUS: RingStatus.OK, RingKey.RING_RANK: spec.rank})
+        device = self.workers.device
+        try:
+            self._check_backend(spec)
+            out = mix(update.trained, plan.neighbours, plan.weights, plan.self_weight, spec,
+                      cuda_device=device.index or 0)
+        except RingError as exc:
+            return self._failure_reply(msg, metrics, result, exc)
+        held.keep_pending(rnd, out.mixed)
+        worker = self.workers.get(self._task_key(config, context), context.node_id)
+        np.copyto(worker.model.flat_np, out.mixed)
+        worker.to_module()
+        x, y = worker.held_out(update.partition_id, plan.holdout)
+        loss, acc = evaluate(worker.module, x, y)
+        metrics.update({GossipMetric.ACCURACY: acc, GossipMetric.LOSS: loss,
+                        GossipMetric.HELDOUT: len(x), GossipMetric.DISTANCE: out.distance,
+                        GossipMetric.BYTES: out.bytes_sent,
+                        GossipMetric.MEASURE_BYTES: out.measure_bytes})
+        result.update({RingKey.DIGEST: out.digest, RingKey.RING_S: out.seconds})
+        return Message(RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result}),
+                       reply_to=msg)
+
+    def _check_backend(self, spec: RingSpec) -> None:
+        device = self.workers.device
+        if spec.backend == "nccl" and device.type != "cuda":
+            raise RingError(f"silo.backend 'nccl' needs a GPU in every silo; this one runs "
+                            f"on {device}", step="setup")
+
+    @staticmethod
+    def _failure_reply(msg: Message, metrics: MetricRecord, result: ConfigRecord,
+                       exc: RingError) -> Message:
+        """The reply of a silo whose ring failed: the text, the step and the ring ranks it
+        points at."""
+        result[RingKey.STATUS] = RingStatus.TIMEOUT if isinstance(exc, RingTimeout) \
+            else RingStatus.RING_ERROR
+        result[RingKey.ERROR] = str(exc)
+        result[RingKey.STEP] = exc.step
+        result[RingKey.PEERS] = blamed_ranks(exc)  # the ring ranks it points at
+        return Message(RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result}),
+                       reply_to=msg)
+
     def _ring_reply(self, msg: Message, metrics: MetricRecord, result: ConfigRecord,
                     spec: RingSpec, run: Callable[[], RingResult]) -> Message:
         """Run this silo's part of the ring; the reply: the digest (ring rank 0: and the
         aggregate), or the failure and the ring ranks it points at."""
-        device = self.workers.device
         try:
-            if spec.backend == "nccl" and device.type != "cuda":
-                raise RingError(f"silo.backend 'nccl' needs a GPU in every silo; this one runs "
-                                f"on {device}", step="setup")
+            self._check_backend(spec)
             out = run()
         except RingError as exc:
-            result[RingKey.STATUS] = RingStatus.TIMEOUT if isinstance(exc, RingTimeout) \
-                else RingStatus.RING_ERROR
-            result[RingKey.ERROR] = str(exc)
-            result[RingKey.STEP] = exc.step
-            result[RingKey.PEERS] = blamed_ranks(exc)  # the ring ranks it points at
-            return Message(RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result}),
-                           reply_to=msg)
+            return self._failure_reply(msg, metrics, result, exc)
         result.update({RingKey.DIGEST: out.digest, RingKey.TOTAL_WEIGHT: out.total_weight,
                        RingKey.COUNT: out.count, RingKey.RING_S: out.seconds})
         content = RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result})
@@ -255,12 +341,13 @@ class SiloClient(FedringClient):
 
 
 def make_silo_client_app(client: SiloClient) -> ClientApp:
-    """A ClientApp serving ``client``: train, train.cross_silo, query.cross_silo, evaluate
-    and secagg."""
+    """A ClientApp serving ``client``: train, train.cross_silo, query.cross_silo,
+    train.gossip, evaluate and secagg."""
     app = ClientApp()
     app.train()(client.train)
     app.train(CROSS_SILO_ACTION)(client.cross_silo)
     app.query(CROSS_SILO_ACTION)(client.secure_ring)
+    app.train(GOSSIP_ACTION)(client.gossip)
     app.evaluate()(client.evaluate)
     register_secagg(app, client.local_update)
     return app

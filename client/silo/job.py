@@ -78,11 +78,14 @@ class SiloGroup:
             time.sleep(self.poll_s)
         return json.loads(self.store.get(key))
 
-    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int) -> float:
-        """Leader: train ``worker``'s module with every rank of the silo (DDP)."""
+    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
+              holdout: float = 0.0) -> float:
+        """Leader: train ``worker``'s module with every rank of the silo (DDP), on the
+        partition less its held-out split when ``holdout`` > 0."""
         check_silo_training(worker.task.train_config)  # before any follower starts
-        self.publish({"op": "train", "task": task_key, "partition": pid, "seed": seed})
-        x, y = worker.partition(pid)
+        self.publish({"op": "train", "task": task_key, "partition": pid, "seed": seed,
+                      "holdout": holdout})
+        x, y = worker.training_data(pid, holdout)
         return train_ddp(worker.module, x, y, worker.task.train_config, seed=seed)
 
     def stop(self) -> None:
@@ -98,7 +101,7 @@ def follow(group: SiloGroup, workers: WorkerCache) -> int:
         if cmd.get("op") == "stop":
             return done
         worker = workers.get(cmd["task"])
-        x, y = worker.partition(int(cmd["partition"]))
+        x, y = worker.training_data(int(cmd["partition"]), float(cmd.get("holdout", 0.0)))
         train_ddp(worker.module, x, y, worker.task.train_config, seed=int(cmd["seed"]))
         done += 1
 

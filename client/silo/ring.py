@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -83,7 +84,19 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-# ---- the child process: join, allreduce, report
+# ---- the child process: join, allreduce (or another op on the group), report
+
+# What a ring process runs once the round's group is its default group: it works on the
+# tensor in place and returns something picklable for the parent (a module-level
+# function, or a functools.partial of one, so that it reaches the child).
+RingOp = Callable[[torch.Tensor, RingSpec], Any]
+
+
+def _sum(work: torch.Tensor, spec: RingSpec) -> None:
+    """The default op: sum ``work`` over the group in place."""
+    from aggregation.ring import allreduce
+
+    allreduce(work, algorithm=spec.algorithm, timeout=spec.ring_timeout_s, out=work)
 
 
 def _join(spec: RingSpec) -> Any:
@@ -112,11 +125,11 @@ def _join(spec: RingSpec) -> Any:
     return store
 
 
-def _ring_child(buf: torch.Tensor, spec: RingSpec, cuda_device: int, conn: Any) -> None:
-    """Body of the ring process: join the round's group, sum ``buf`` in place, report."""
+def _ring_child(buf: torch.Tensor, spec: RingSpec, cuda_device: int, conn: Any,
+                op: RingOp | None = None) -> None:
+    """Body of the ring process: join the round's group, run ``op`` on ``buf`` in place (by
+    default sum it over the group), report ``op``'s result."""
     import torch.distributed as dist
-
-    from aggregation.ring import allreduce
 
     torch.set_num_threads(1)
     lo = loopback_interface()
@@ -130,13 +143,14 @@ def _ring_child(buf: torch.Tensor, spec: RingSpec, cuda_device: int, conn: Any) 
         dist.init_process_group(spec.backend, store=dist.PrefixStore("pg", store),
                                 rank=spec.rank, world_size=spec.size,
                                 timeout=timedelta(seconds=spec.join_timeout_s))
+        run = op or _sum
         if spec.backend == "nccl":
             work = buf.cuda()
-            allreduce(work, algorithm=spec.algorithm, timeout=spec.ring_timeout_s, out=work)
+            extra = run(work, spec)
             buf.copy_(work.cpu())
         else:
-            allreduce(buf, algorithm=spec.algorithm, timeout=spec.ring_timeout_s, out=buf)
-        conn.send(("ok",))
+            extra = run(buf, spec)
+        conn.send(("ok", extra))
         ok = True
     except RingError as exc:
         conn.send(("ring", isinstance(exc, RingTimeout), str(exc), exc.step, exc.peer,
@@ -173,7 +187,10 @@ def _context() -> Any:
             method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
             ctx = mp.get_context(method)
             if method == "forkserver":
-                ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+                # what every ring process runs: the collectives, gossip's exchange
+                ctx.set_forkserver_preload(["torch", "torch.distributed", __name__,
+                                            "aggregation.ring.collective",
+                                            "client.silo.gossip"])
             _CTX = ctx
         return _CTX
 
@@ -208,7 +225,7 @@ def ring_aggregate(delta: np.ndarray, weight: float, spec: RingSpec, *,
     view = buf.numpy()
     np.multiply(delta.reshape(-1), np.float32(w), out=view[:n], casting="same_kind")
     view[n], view[n + 1] = w, 1.0 if w > 0 else 0.0
-    seconds = _run_ring(buf, spec, cuda_device)
+    seconds, _ = run_ring(buf, spec, cuda_device)
     total_weight, count = float(view[n]), round(float(view[n + 1]))
     aggregate = view[:n].copy()
     if spec.combine == "mean" and total_weight > 0:
@@ -239,7 +256,7 @@ def ring_sum_words(words: np.ndarray, bits: int, spec: RingSpec, *,
     view = buf.numpy()
     view[:n] = words.reshape(-1)
     view[n] = 1
-    seconds = _run_ring(buf, spec, cuda_device)
+    seconds, _ = run_ring(buf, spec, cuda_device)
     total = view[:n].copy()
     if bits < 8 * wide.itemsize:
         np.bitwise_and(total, wide.type((1 << bits) - 1), out=total)
@@ -248,12 +265,15 @@ def ring_sum_words(words: np.ndarray, bits: int, spec: RingSpec, *,
                       digest=aggregate_digest(total, 0.0, count), seconds=seconds)
 
 
-def _run_ring(buf: torch.Tensor, spec: RingSpec, cuda_device: int) -> float:
-    """Sum the shared ``buf`` in place over the round's ring, in a child process; seconds."""
+def run_ring(buf: torch.Tensor, spec: RingSpec, cuda_device: int = 0,
+             op: RingOp | None = None) -> tuple[float, Any]:
+    """Sum the shared ``buf`` in place over the round's ring (or run ``op`` on it with the
+    round's group), in a child process; the seconds it took and ``op``'s result."""
     ctx = _context()
     reader, writer = ctx.Pipe(duplex=False)
     started = time.monotonic()
-    proc = ctx.Process(target=_ring_child, args=(buf, spec, cuda_device, writer), daemon=True)
+    proc = ctx.Process(target=_ring_child, args=(buf, spec, cuda_device, writer, op),
+                       daemon=True)
     proc.start()
     writer.close()
     limit = child_limit(spec)
@@ -280,4 +300,4 @@ def _run_ring(buf: torch.Tensor, spec: RingSpec, cuda_device: int) -> float:
         raise (RingTimeout if timed_out else RingError)(text, step=step, peer=peer)
     if outcome[0] == "error":
         raise RingError(f"ring rank {spec.rank}: {outcome[1]}", step="setup")
-    return seconds
+    return seconds, outcome[1]

@@ -318,3 +318,26 @@ def test_privacy_audit_quick() -> None:
     assert 0 < training["audit_cpu_share"] < 1
     assert stage["canaries"] == result["canaries"] and positive(stage["estimate_s"])
     assert positive(stage["round_s"]) and positive(stage["draw_s"])
+
+
+@pytest.mark.slow
+def test_gossip_quick() -> None:
+    result = run_quick("gossip.py")
+    assert result["benchmark"] == "gossip" and result["quick"] is True and result["plot"] is None
+    assert set(result["rounds"]) == {"fedavg", "gossip_ring", "gossip_random"}
+    assert all(run["status"] == "completed" for run in result["runs"].values())
+    dim, clients = result["workload"]["parameters"], result["workload"]["clients"]
+    assert (dim, clients) == (4810, 4)
+    per_round = result["bytes_per_round"]
+    assert per_round["fedavg"] == 2 * clients * 4 * dim  # every client down and up
+    assert per_round["gossip_ring"] == 2 * clients * 4 * dim  # two neighbours each
+    assert per_round["gossip_random"] == 3 * clients * 4 * dim  # 4 silos: complete graph
+    for name, rows in result["rounds"].items():
+        assert [r["round"] for r in rows] == [1, 2]
+        assert all(0 <= r["accuracy"] <= 1 for r in rows), name
+    first = result["rounds"]["gossip_ring"][0]
+    assert first["bytes"] == per_round["gossip_ring"] + clients * 4 * dim  # the initial model
+    assert all(r["consensus_distance"] > 0 for r in result["rounds"]["gossip_ring"])
+    for reached in result["reached"].values():
+        assert (reached["round"] is None) == (reached["bytes"] is None)
+    assert positive(result["exchange_s"])
