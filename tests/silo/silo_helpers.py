@@ -90,6 +90,42 @@ def join_then_die(spec: dict[str, Any]) -> None:
     os._exit(1)
 
 
+def survivors_of_a_dead_peer(collective: Any) -> tuple[dict[int, BaseException], Any, list]:
+    """Ranks 0 and 1 of a 3-rank group call ``collective(spec)`` while rank 2 joins and
+    dies; the errors the survivors raised, the victim's process and the survivors' threads
+    (all finished, or given up on after 120 s)."""
+    import multiprocessing
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from client.protocol.ring import RingSpec
+
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    specs = [RingSpec(host="127.0.0.1", port=store.port, prefix="dies", rank=r, size=3,
+                      join_timeout_s=30, ring_timeout_s=2) for r in range(3)]
+    victim = multiprocessing.get_context("forkserver").Process(target=join_then_die,
+                                                                args=(specs[2].to_dict(),))
+    victim.start()
+    errors: dict[int, BaseException] = {}
+
+    def survivor(rank: int) -> None:
+        try:
+            collective(specs[rank])
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=survivor, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    victim.join(30)
+    return errors, victim, threads
+
+
 def _deploy_env(tmp: Path) -> dict[str, str]:
     return {**os.environ, "FLWR_HOME": str(tmp / "flwr"), "OMP_NUM_THREADS": "1",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",

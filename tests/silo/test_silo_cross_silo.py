@@ -7,20 +7,17 @@ goes on without the silo to blame.
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
-from silo_helpers import SILOS, expected_first_round, join_then_die, scenario
+from silo_helpers import SILOS, expected_first_round, scenario, survivors_of_a_dead_peer
 
 from aggregation.ring import RingError
-from client.protocol.ring import RingRecord, RingSpec
+from client.protocol.ring import RingRecord
 from client.protocol.updates import delta_record, read_delta
 from client.silo.ring import blamed_ranks, ring_aggregate
 from server.cross_silo import judge
@@ -237,27 +234,8 @@ def test_a_silo_rejects_its_own_bad_update_and_the_ring_goes_on(run_inprocess, s
 
 
 def test_a_silo_dying_in_the_ring_ends_it_with_an_error_naming_it() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
-    specs = [RingSpec(host="127.0.0.1", port=store.port, prefix="dies", rank=r, size=3,
-                      join_timeout_s=30, ring_timeout_s=2) for r in range(3)]
-    victim = multiprocessing.get_context("forkserver").Process(target=join_then_die,
-                                                                args=(specs[2].to_dict(),))
-    victim.start()
-    errors: dict[int, BaseException] = {}
-
-    def survivor(rank: int) -> None:
-        try:
-            ring_aggregate(np.ones(50_000, np.float32), 1.0, specs[rank])
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=survivor, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    victim.join(30)
+    errors, victim, threads = survivors_of_a_dead_peer(
+        lambda spec: ring_aggregate(np.ones(50_000, np.float32), 1.0, spec))
     assert not any(t.is_alive() for t in threads), "a survivor hangs"
     assert victim.exitcode == 1
     assert sorted(errors) == [0, 1]

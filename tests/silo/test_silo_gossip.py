@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 from flwr.app import Context, Error, Message
-from silo_helpers import join_then_die, scenario
+from silo_helpers import join_then_die, scenario, survivors_of_a_dead_peer
 
 from aggregation.gossip import metropolis_hastings, topology
 from aggregation.ring import RingError
@@ -112,27 +112,8 @@ def test_mixing_is_w_times_x_and_the_distance_is_the_spread(kind: str, n: int,
 
 
 def test_a_silo_dying_in_the_exchange_fails_its_neighbours_naming_it() -> None:
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
-    specs = [RingSpec(host="127.0.0.1", port=store.port, prefix="dies", rank=r, size=3,
-                      join_timeout_s=30, ring_timeout_s=2) for r in range(3)]
-    victim = multiprocessing.get_context("forkserver").Process(target=join_then_die,
-                                                                args=(specs[2].to_dict(),))
-    victim.start()
-    errors: dict[int, BaseException] = {}
-
-    def survivor(rank: int) -> None:
-        try:
-            mix(np.ones(1000, np.float32), (1 - rank, 2), (1 / 3, 1 / 3), 1 / 3, specs[rank])
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=survivor, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    victim.join(30)
+    errors, _, _ = survivors_of_a_dead_peer(lambda spec: mix(
+        np.ones(1000, np.float32), (1 - spec.rank, 2), (1 / 3, 1 / 3), 1 / 3, spec))
     assert sorted(errors) == [0, 1]
     assert all(isinstance(e, RingError) for e in errors.values()), errors
 
