@@ -4,16 +4,19 @@ Measured: ring (pipelined, out of place and in place, and unpipelined), native g
 tree (recursive doubling), halving_doubling (Rabenseifner), all_to_all and master-worker.
 
 For each world size n (one process per rank, loopback TCP) and message size S
-(float32) it times every algorithm, round-robin and barrier-separated, after a
-warm-up; the time of one iteration is the slowest rank's, and the figure is the
-median over iterations (the best is reported too: on a shared machine it is
-the figure least disturbed by other load). It reports algorithm bandwidth S/t
-and bus bandwidth 2(n-1)/n * S/t, the CPU seconds all ranks spent per
-allreduce, then fits an
-alpha-beta model per algorithm (alpha per message on the critical path, beta
-per byte), reports how far each fitted model is from each measured cell, and
-extrapolates to 64..1024 silos at 64 KiB..64 MiB: which algorithm wins each cell
-and by how much (``--plot PATH`` draws the predictions).
+(float32) it times every algorithm, barrier-separated, after a warm-up; each
+iteration runs every size and algorithm once, so a shared machine's load falls on
+all cells alike. The time of one iteration is the slowest rank's, and the figure is
+the median over iterations (the best is reported too: on a shared machine it is
+the figure least disturbed by other load); halving_doubling and the ring are also
+compared with native gloo iteration by iteration (median, quartiles and range of
+the paired ratios), and the load average is recorded around each world size. It
+reports algorithm bandwidth S/t and bus bandwidth 2(n-1)/n * S/t, the CPU seconds
+all ranks spent per allreduce, then fits an alpha-beta model per algorithm (alpha
+per message on the critical path, beta per byte), reports how far each fitted model
+is from each measured cell, and extrapolates to 64..1024 silos at 64 KiB..64 MiB:
+which algorithm wins each cell and by how much (``--plot PATH`` draws the
+predictions).
 
 "native" is ``dist.all_reduce`` in place; the others are
 ``aggregation.ring.allreduce(x, out=y)``; "ring_unpipelined" sends whole chunks
@@ -85,15 +88,19 @@ def _callables(x: torch.Tensor, y: torch.Tensor, segment_bytes: int,
 
 def measure(rank: int, n: int, sizes: list[int], iters: int, warmup: int,
             segment_bytes: int, window: int) -> list[dict[str, object]]:
-    """Runs on every rank; rank 0's return value is the one reported."""
-    rows = []
+    """Runs on every rank; rank 0's return value is the one reported. Each iteration
+    runs every size and every algorithm once, so the load of a shared machine falls
+    on all cells alike."""
+    bufs = {}
     for size in sizes:
         x = torch.randn(size // 4)
         y = torch.zeros_like(x)
-        fns = _callables(x, y, segment_bytes, window)
-        wall: dict[str, list[float]] = {k: [] for k in fns}
-        cpu: dict[str, list[float]] = {k: [] for k in fns}
-        for it in range(warmup + iters):
+        bufs[size] = (x, y, _callables(x, y, segment_bytes, window))
+    wall = {(size, name): [] for size in sizes for name in ALGORITHMS}
+    cpu = {(size, name): [] for size in sizes for name in ALGORITHMS}
+    for it in range(warmup + iters):
+        for size in sizes:
+            x, y, fns = bufs[size]
             for name, fn in fns.items():
                 y.copy_(x)  # keep values bounded: native reduces y in place
                 dist.barrier()
@@ -105,16 +112,19 @@ def measure(rank: int, n: int, sizes: list[int], iters: int, warmup: int,
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 dist.all_reduce(spent)
                 if it >= warmup:
-                    wall[name].append(float(slowest[0]))
-                    cpu[name].append(float(spent[1]))
-        for name in fns:
-            t = statistics.median(wall[name])
+                    wall[(size, name)].append(float(slowest[0]))
+                    cpu[(size, name)].append(float(spent[1]))
+    rows = []
+    for size in sizes:
+        for name in ALGORITHMS:
+            samples = wall[(size, name)]
+            t = statistics.median(samples)
             rows.append({
                 "n": n, "size_bytes": size, "algorithm": name, "time_s": t,
-                "best_s": min(wall[name]),
+                "best_s": min(samples),
                 "algbw_GBps": size / t / 1e9, "busbw_GBps": 2 * (n - 1) / n * size / t / 1e9,
-                "cpu_s_all_ranks": statistics.median(cpu[name]),
-                "samples_s": [round(v, 6) for v in wall[name]],
+                "cpu_s_all_ranks": statistics.median(cpu[(size, name)]),
+                "samples_s": [round(v, 6) for v in samples],
             })
     return rows
 
@@ -264,6 +274,20 @@ def extrapolate(models: dict[str, dict[str, float]]) -> dict[str, object]:
     }
 
 
+def paired_ratios(native: dict[str, object], other: dict[str, object]) -> dict[str, float]:
+    """Per-iteration native time / other time (the bus-bandwidth ratio; iterations run the
+    algorithms back to back, so each pair saw about the same load): median, quartiles
+    and range."""
+    r = sorted(a / b for a, b in zip(native["samples_s"], other["samples_s"], strict=True))
+    q = np.quantile(r, [0.25, 0.5, 0.75])
+    return {"median": round(float(q[1]), 3), "q1": round(float(q[0]), 3),
+            "q3": round(float(q[2]), 3), "min": round(r[0], 3), "max": round(r[-1], 3)}
+
+
+def _load() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def _all_or_none(flags: list[bool]) -> bool | None:
     """``all(flags)``, or None when there is nothing to judge."""
     return all(flags) if flags else None
@@ -282,16 +306,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     else:
         worlds, sizes, iters = (2, 4, 8), [MIB, 16 * MIB, 64 * MIB], args.iters or 9
     cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = _load()
+    loads: dict[int, dict[str, float | None]] = {}
     started = time.monotonic()
     rows: list[dict[str, object]] = []
     for n in worlds:
+        loads[n] = {"start": _load()}
         out = launch(measure, n, sizes, iters, 1, args.segment_bytes, args.window,
                      timeout=900)
         rows += out[0]
+        loads[n]["end"] = _load()
         for size in sizes:
             here = {r["algorithm"]: r for r in out[0] if r["size_bytes"] == size}
-            print(f"n={n} S={size / MIB:g} MiB  " + "  ".join(
+            print(f"n={n} S={size / MIB:g} MiB load {loads[n]['start']}-{loads[n]['end']}  "
+                  + "  ".join(
                 f"{a} {here[a]['time_s'] * 1e3:.1f} ms {here[a]['busbw_GBps']:.2f} GB/s"
                 for a in ALGORITHMS), file=sys.stderr, flush=True)
 
@@ -316,7 +344,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                / by_key[(n, size, "native")]["busbw_GBps"], 3),
            "halving_doubling_over_native_best": round(
                by_key[(n, size, "native")]["best_s"]
-               / by_key[(n, size, "halving_doubling")]["best_s"], 3)}
+               / by_key[(n, size, "halving_doubling")]["best_s"], 3),
+           "paired": {alg: paired_ratios(by_key[(n, size, "native")], by_key[(n, size, alg)])
+                      for alg in ("halving_doubling", "halving_doubling_inplace", "ring",
+                                  "ring_inplace")}}
           for n in worlds for size in sizes]
     hd_targeted = [r for r in hd if r["n"] in HD_TARGET_N and r["size_bytes"] in HD_TARGET_BYTES]
     gamma = fit_sharing(rows, cores)
@@ -329,6 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "benchmark": "allreduce",
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_cores": cores, "load_average_at_start": load,
+                    "load_average_by_world_size": loads, "load_average_at_end": _load(),
                     "torch": torch.__version__, "backend": "gloo", "device": "cpu",
                     "transport": "TCP loopback, one process per rank"},
         "oversubscribed_world_sizes": [n for n in worlds if n > cores],

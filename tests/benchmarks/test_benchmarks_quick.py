@@ -212,6 +212,17 @@ def test_allreduce_quick() -> None:
         assert positive(row["algbw_GBps"])
         n = row["n"]
         assert row["busbw_GBps"] == pytest.approx(2 * (n - 1) / n * row["algbw_GBps"], rel=1e-3)
+    samples = {(r["n"], r["size_bytes"], r["algorithm"]): r["samples_s"]
+               for r in result["results"]}
+    for row in result["halving_doubling_vs_native"]:  # iteration-by-iteration ratios
+        for alg, got in row["paired"].items():
+            native = samples[(row["n"], row["size_bytes"], "native")]
+            ratios = sorted(a / b for a, b in zip(
+                native, samples[(row["n"], row["size_bytes"], alg)], strict=True))
+            assert got["min"] == pytest.approx(ratios[0], abs=1e-3)
+            assert got["max"] == pytest.approx(ratios[-1], abs=1e-3)
+            assert got["min"] <= got["q1"] <= got["median"] <= got["q3"] <= got["max"]
+    assert set(result["machine"]["load_average_by_world_size"]) == {"2", "3"}
     assert len(result["model_errors"]) == len(result["results"])
     for err in result["model_errors"]:
         assert err["rel_error"] == pytest.approx(err["predicted_s"] / err["measured_s"] - 1,
