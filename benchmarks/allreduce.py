@@ -4,16 +4,20 @@ Measured: ring (pipelined, out of place and in place, and unpipelined), native g
 tree (recursive doubling), halving_doubling (Rabenseifner), all_to_all and master-worker.
 
 For each world size n (one process per rank, loopback TCP) and message size S
-(float32) it times every algorithm, round-robin and barrier-separated, after a
-warm-up; the time of one iteration is the slowest rank's, and the figure is the
-median over iterations (the best is reported too: on a shared machine it is
-the figure least disturbed by other load). It reports algorithm bandwidth S/t
-and bus bandwidth 2(n-1)/n * S/t, the CPU seconds all ranks spent per
-allreduce, then fits an
-alpha-beta model per algorithm (alpha per message on the critical path, beta
-per byte), reports how far each fitted model is from each measured cell, and
-extrapolates to 64..1024 silos at 64 KiB..64 MiB: which algorithm wins each cell
-and by how much (``--plot PATH`` draws the predictions).
+(float32) it times every algorithm, barrier-separated, after a warm-up; each
+iteration runs every size and algorithm once, so a shared machine's load falls on
+all cells alike. The time of one iteration is the slowest rank's, and the figure is
+the median over iterations (the best is reported too: on a shared machine it is
+the figure least disturbed by other load); halving_doubling and the ring are also
+compared with native gloo iteration by iteration (median, quartiles and range of
+the paired ratios), and the load average is recorded around each world size. It
+reports algorithm bandwidth S/t and bus bandwidth 2(n-1)/n * S/t, the CPU seconds
+all ranks spent per allreduce, then fits an alpha-beta model per algorithm (alpha
+per message on the critical path, beta per byte, times a slow-down for the busy ranks
+sharing this machine's cores) to each cell's best time, reports how far each fitted
+model is from each measured cell (best and median), and extrapolates to 64..1024
+silos at 64 KiB..64 MiB: which algorithm wins each cell and by how much (``--plot
+PATH`` draws the predictions).
 
 "native" is ``dist.all_reduce`` in place; the others are
 ``aggregation.ring.allreduce(x, out=y)``; "ring_unpipelined" sends whole chunks
@@ -59,6 +63,7 @@ TARGET_MIN_BYTES = 4 * MIB
 HD_TARGET_N = (2, 4)
 HD_TARGET_BYTES = (16 * MIB, 64 * MIB)
 MODEL_TARGET_REL_ERROR = 0.25
+MODEL_TIME = "best_s"  # the time the alpha-beta model is fitted to and judged against
 
 
 def _callables(x: torch.Tensor, y: torch.Tensor, segment_bytes: int,
@@ -85,15 +90,19 @@ def _callables(x: torch.Tensor, y: torch.Tensor, segment_bytes: int,
 
 def measure(rank: int, n: int, sizes: list[int], iters: int, warmup: int,
             segment_bytes: int, window: int) -> list[dict[str, object]]:
-    """Runs on every rank; rank 0's return value is the one reported."""
-    rows = []
+    """Runs on every rank; rank 0's return value is the one reported. Each iteration
+    runs every size and every algorithm once, so the load of a shared machine falls
+    on all cells alike."""
+    bufs = {}
     for size in sizes:
         x = torch.randn(size // 4)
         y = torch.zeros_like(x)
-        fns = _callables(x, y, segment_bytes, window)
-        wall: dict[str, list[float]] = {k: [] for k in fns}
-        cpu: dict[str, list[float]] = {k: [] for k in fns}
-        for it in range(warmup + iters):
+        bufs[size] = (x, y, _callables(x, y, segment_bytes, window))
+    wall = {(size, name): [] for size in sizes for name in ALGORITHMS}
+    cpu = {(size, name): [] for size in sizes for name in ALGORITHMS}
+    for it in range(warmup + iters):
+        for size in sizes:
+            x, y, fns = bufs[size]
             for name, fn in fns.items():
                 y.copy_(x)  # keep values bounded: native reduces y in place
                 dist.barrier()
@@ -105,16 +114,19 @@ def measure(rank: int, n: int, sizes: list[int], iters: int, warmup: int,
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 dist.all_reduce(spent)
                 if it >= warmup:
-                    wall[name].append(float(slowest[0]))
-                    cpu[name].append(float(spent[1]))
-        for name in fns:
-            t = statistics.median(wall[name])
+                    wall[(size, name)].append(float(slowest[0]))
+                    cpu[(size, name)].append(float(spent[1]))
+    rows = []
+    for size in sizes:
+        for name in ALGORITHMS:
+            samples = wall[(size, name)]
+            t = statistics.median(samples)
             rows.append({
                 "n": n, "size_bytes": size, "algorithm": name, "time_s": t,
-                "best_s": min(wall[name]),
+                "best_s": min(samples),
                 "algbw_GBps": size / t / 1e9, "busbw_GBps": 2 * (n - 1) / n * size / t / 1e9,
-                "cpu_s_all_ranks": statistics.median(cpu[name]),
-                "samples_s": [round(v, 6) for v in wall[name]],
+                "cpu_s_all_ranks": statistics.median(cpu[(size, name)]),
+                "samples_s": [round(v, 6) for v in samples],
             })
     return rows
 
@@ -137,8 +149,14 @@ def cost_terms(algorithm: str, n: int) -> tuple[float, float]:
     raise ValueError(algorithm)
 
 
+def busy_ranks(algorithm: str, n: int) -> int:
+    """Ranks working at the same time: all of them, except in master-worker, where rank 0
+    exchanges with one worker at a time while the others wait."""
+    return min(n, 2) if algorithm == "master" else n
+
+
 def sharing(n: int, cores: int | None, gamma: float) -> float:
-    """How much slower each rank runs when ``n`` ranks share ``cores`` cores:
+    """How much slower each rank runs when ``n`` busy ranks share ``cores`` cores:
     ``(n / cores) ** gamma``, at least 1; 1 without ``cores`` (a silo per machine)."""
     return 1.0 if cores is None else max(1.0, n / cores) ** gamma
 
@@ -146,13 +164,15 @@ def sharing(n: int, cores: int | None, gamma: float) -> float:
 def fit_alpha_beta(rows: list[dict[str, object]], algorithm: str, cores: int | None = None,
                    gamma: float = 0.0) -> dict[str, float]:
     """Least squares (on relative error) of t = sharing * (alpha * messages + beta * bytes),
-    alpha and beta >= 0, with ``sharing(n, cores, gamma)`` the slow-down of ranks sharing
-    this machine's cores (``gamma = 0``: the plain alpha-beta model)."""
+    alpha and beta >= 0, with ``sharing(busy_ranks, cores, gamma)`` the slow-down of ranks
+    sharing this machine's cores (``gamma = 0``: the plain alpha-beta model). ``t`` is each
+    cell's best time (``MODEL_TIME``): the model describes a machine of its own, not the
+    other load of a shared one."""
     pts = [r for r in rows if r["algorithm"] == algorithm]
     a = np.array([[cost_terms(algorithm, r["n"])[0], cost_terms(algorithm, r["n"])[1]
                    * r["size_bytes"]] for r in pts], dtype=float)
-    a *= np.array([sharing(r["n"], cores, gamma) for r in pts])[:, None]
-    t = np.array([r["time_s"] for r in pts], dtype=float)
+    a *= np.array([sharing(busy_ranks(algorithm, r["n"]), cores, gamma) for r in pts])[:, None]
+    t = np.array([r[MODEL_TIME] for r in pts], dtype=float)
     w = 1.0 / t
     coef, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     if coef.min() < 0:  # refit with the negative term dropped
@@ -181,20 +201,23 @@ def predict(model: dict[str, float], algorithm: str, n: int, size: int,
     """Predicted time; ``cores``: ranks share that many cores (the measuring machine),
     ``None``: every rank has its own machine (silos)."""
     msgs, per_byte = cost_terms(algorithm, n)
-    return sharing(n, cores, model["sharing_gamma"]) * (
+    return sharing(busy_ranks(algorithm, n), cores, model["sharing_gamma"]) * (
         model["alpha_s"] * msgs + model["beta_s_per_byte"] * per_byte * size)
 
 
 def model_errors(rows: list[dict[str, object]], models: dict[str, dict[str, float]],
                  cores: int) -> list[dict[str, object]]:
     """Each measured cell against its algorithm's fitted model on this machine:
-    (predicted - measured) / measured."""
+    (predicted - measured) / measured, against the best time (what the model is fitted
+    to) and against the median (which carries the shared machine's other load)."""
     errors = []
     for r in rows:
         t = predict(models[r["algorithm"]], r["algorithm"], r["n"], r["size_bytes"], cores)
         errors.append({"n": r["n"], "size_bytes": r["size_bytes"], "algorithm": r["algorithm"],
-                       "measured_s": round(r["time_s"], 9), "predicted_s": round(t, 9),
-                       "rel_error": round(t / r["time_s"] - 1, 3)})
+                       "measured_s": round(r[MODEL_TIME], 9), "predicted_s": round(t, 9),
+                       "rel_error": round(t / r[MODEL_TIME] - 1, 3),
+                       "measured_median_s": round(r["time_s"], 9),
+                       "rel_error_median": round(t / r["time_s"] - 1, 3)})
     return errors
 
 
@@ -264,6 +287,20 @@ def extrapolate(models: dict[str, dict[str, float]]) -> dict[str, object]:
     }
 
 
+def paired_ratios(native: dict[str, object], other: dict[str, object]) -> dict[str, float]:
+    """Per-iteration native time / other time (the bus-bandwidth ratio; iterations run the
+    algorithms back to back, so each pair saw about the same load): median, quartiles
+    and range."""
+    r = sorted(a / b for a, b in zip(native["samples_s"], other["samples_s"], strict=True))
+    q = np.quantile(r, [0.25, 0.5, 0.75])
+    return {"median": round(float(q[1]), 3), "q1": round(float(q[0]), 3),
+            "q3": round(float(q[2]), 3), "min": round(r[0], 3), "max": round(r[-1], 3)}
+
+
+def _load() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def _all_or_none(flags: list[bool]) -> bool | None:
     """``all(flags)``, or None when there is nothing to judge."""
     return all(flags) if flags else None
@@ -282,16 +319,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     else:
         worlds, sizes, iters = (2, 4, 8), [MIB, 16 * MIB, 64 * MIB], args.iters or 9
     cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = _load()
+    loads: dict[int, dict[str, float | None]] = {}
     started = time.monotonic()
     rows: list[dict[str, object]] = []
     for n in worlds:
+        loads[n] = {"start": _load()}
         out = launch(measure, n, sizes, iters, 1, args.segment_bytes, args.window,
                      timeout=900)
         rows += out[0]
+        loads[n]["end"] = _load()
         for size in sizes:
             here = {r["algorithm"]: r for r in out[0] if r["size_bytes"] == size}
-            print(f"n={n} S={size / MIB:g} MiB  " + "  ".join(
+            print(f"n={n} S={size / MIB:g} MiB load {loads[n]['start']}-{loads[n]['end']}  "
+                  + "  ".join(
                 f"{a} {here[a]['time_s'] * 1e3:.1f} ms {here[a]['busbw_GBps']:.2f} GB/s"
                 for a in ALGORITHMS), file=sys.stderr, flush=True)
 
@@ -316,19 +357,28 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                / by_key[(n, size, "native")]["busbw_GBps"], 3),
            "halving_doubling_over_native_best": round(
                by_key[(n, size, "native")]["best_s"]
-               / by_key[(n, size, "halving_doubling")]["best_s"], 3)}
+               / by_key[(n, size, "halving_doubling")]["best_s"], 3),
+           "paired": {alg: paired_ratios(by_key[(n, size, "native")], by_key[(n, size, alg)])
+                      for alg in ("halving_doubling", "halving_doubling_inplace", "ring",
+                                  "ring_inplace")}}
           for n in worlds for size in sizes]
     hd_targeted = [r for r in hd if r["n"] in HD_TARGET_N and r["size_bytes"] in HD_TARGET_BYTES]
     gamma = fit_sharing(rows, cores)
     models = {alg: fit_alpha_beta(rows, alg, cores, gamma) for alg in ALGORITHMS}
     plain = {alg: fit_alpha_beta(rows, alg) for alg in ALGORITHMS}
     errors = model_errors(rows, models, cores)
+    # The same model fitted to the medians instead, for comparison.
+    medians = [dict(r, best_s=r["time_s"]) for r in rows]
+    gamma_median = fit_sharing(medians, cores)
+    median_errors = model_errors(
+        medians, {a: fit_alpha_beta(medians, a, cores, gamma_median) for a in ALGORITHMS}, cores)
     if args.plot:
         plot(models, args.plot)
     summary = {
         "benchmark": "allreduce",
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_cores": cores, "load_average_at_start": load,
+                    "load_average_by_world_size": loads, "load_average_at_end": _load(),
                     "torch": torch.__version__, "backend": "gloo", "device": "cpu",
                     "transport": "TCP loopback, one process per rank"},
         "oversubscribed_world_sizes": [n for n in worlds if n > cores],
@@ -357,9 +407,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "alpha_beta_without_sharing": plain,
         "model_errors": errors,
         "model_target": {
-            "max_rel_error": MODEL_TARGET_REL_ERROR,
+            "max_rel_error": MODEL_TARGET_REL_ERROR, "fitted_to": MODEL_TIME,
             "met": _all_or_none([abs(e["rel_error"]) <= MODEL_TARGET_REL_ERROR
                                  for e in errors]),
+            "cells_within": sum(abs(e["rel_error"]) <= MODEL_TARGET_REL_ERROR for e in errors),
+            "cells_within_of_median": sum(abs(e["rel_error_median"]) <= MODEL_TARGET_REL_ERROR
+                                          for e in errors),
+            "cells": len(errors),
+            "fitted_to_medians": {
+                "sharing_gamma": gamma_median,
+                "cells_within": sum(abs(e["rel_error"]) <= MODEL_TARGET_REL_ERROR
+                                    for e in median_errors)},
             "met_by_algorithm": {alg: _all_or_none(
                 [abs(e["rel_error"]) <= MODEL_TARGET_REL_ERROR for e in errors
                  if e["algorithm"] == alg]) for alg in ALGORITHMS}},

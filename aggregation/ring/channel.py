@@ -44,6 +44,11 @@ class Channel:
         self._coalesce = coalesce
         self._algorithm = algorithm
 
+    @property
+    def coalesce(self) -> bool:
+        """Whether one :meth:`post`'s sends and receives go out as one group (NCCL)."""
+        return self._coalesce
+
     def post(self, step: str, sends: Sequence[Transfer] = (),
              recvs: Sequence[Transfer] = ()) -> Pending:
         """Start the given sends and receives; return their handles."""

@@ -212,7 +212,33 @@ def test_allreduce_quick() -> None:
         assert positive(row["algbw_GBps"])
         n = row["n"]
         assert row["busbw_GBps"] == pytest.approx(2 * (n - 1) / n * row["algbw_GBps"], rel=1e-3)
+    samples = {(r["n"], r["size_bytes"], r["algorithm"]): r["samples_s"]
+               for r in result["results"]}
+    for row in result["halving_doubling_vs_native"]:  # iteration-by-iteration ratios
+        for alg, got in row["paired"].items():
+            native = samples[(row["n"], row["size_bytes"], "native")]
+            ratios = sorted(a / b for a, b in zip(
+                native, samples[(row["n"], row["size_bytes"], alg)], strict=True))
+            assert got["min"] == pytest.approx(ratios[0], abs=1e-3)
+            assert got["max"] == pytest.approx(ratios[-1], abs=1e-3)
+            assert got["min"] <= got["q1"] <= got["median"] <= got["q3"] <= got["max"]
+    assert set(result["machine"]["load_average_by_world_size"]) == {"2", "3"}
     assert len(result["model_errors"]) == len(result["results"])
+    rows = {(r["n"], r["size_bytes"], r["algorithm"]): r for r in result["results"]}
+    cores = result["machine"]["cpu_cores"]
+    for err in result["model_errors"]:
+        row = rows[(err["n"], err["size_bytes"], err["algorithm"])]
+        assert err["measured_s"] == pytest.approx(row["best_s"], abs=1e-6)  # fitted to best
+        assert err["rel_error_median"] == pytest.approx(
+            err["predicted_s"] / row["time_s"] - 1, abs=2e-3)
+        n, size = err["n"], err["size_bytes"]
+        if err["algorithm"] in ("master", "ring"):  # master: rank 0 and one worker busy
+            model = result["alpha_beta"][err["algorithm"]]
+            busy = 2 if err["algorithm"] == "master" else n
+            per_byte = 2 * (n - 1) if err["algorithm"] == "master" else 2 * (n - 1) / n
+            expected = max(1.0, busy / cores) ** model["sharing_gamma"] * (
+                model["alpha_s"] * 2 * (n - 1) + model["beta_s_per_byte"] * per_byte * size)
+            assert err["predicted_s"] == pytest.approx(expected, rel=1e-3, abs=1e-9)
     for err in result["model_errors"]:
         assert err["rel_error"] == pytest.approx(err["predicted_s"] / err["measured_s"] - 1,
                                                  abs=2e-3)

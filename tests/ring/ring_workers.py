@@ -19,6 +19,7 @@ import torch.distributed as dist
 from aggregation.ring import RingError, RingTimeout, allreduce, exchange, weighted_mean
 from aggregation.ring.alltoall import all_to_all
 from aggregation.ring.channel import Channel, Pending
+from aggregation.ring.exchange import IN_FLIGHT_BYTES
 from aggregation.ring.halving import halving_doubling
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.ring import ring_stepwise
@@ -453,7 +454,39 @@ def family(rank: int, n: int) -> dict[str, object]:
                     fails[alg].append(f"masked {name}/L={length}: {int((got != expected).sum())} "
                                       "elements differ from the plain sum mod 2^32")
     sent = {alg: _elements_sent(alg) for alg in FAMILY}
-    return {"fails": fails, "digests": digests, "sent": sent}
+    in_flight = {alg: _largest_in_flight(alg) for alg in (*FAMILY, "tree", "master")}
+    return {"fails": fails, "digests": digests, "sent": sent, "in_flight": in_flight}
+
+
+def _largest_in_flight(alg: str) -> int:
+    """The most bytes this rank had posted to one peer and not yet waited for, in one
+    allreduce of 2 * IN_FLIGHT_BYTES of float32 with the default segments and window."""
+    outstanding: dict[int, int] = {}
+    per_pending: dict[int, list[tuple[int, int]]] = {}
+    largest = 0
+    post, wait = Channel.post, Channel.wait
+
+    def counting_post(self: Channel, step: str, sends: Sequence = (), recvs: Sequence = (),
+                      **kw: object) -> Pending:
+        nonlocal largest
+        pending = post(self, step, sends, recvs, **kw)
+        per_pending[id(pending)] = [(p, t.numel() * t.element_size()) for t, p in sends]
+        for p, nbytes in per_pending[id(pending)]:
+            outstanding[p] = outstanding.get(p, 0) + nbytes
+            largest = max(largest, outstanding[p])
+        return pending
+
+    def counting_wait(self: Channel, pending: Pending) -> None:
+        wait(self, pending)
+        for p, nbytes in per_pending.pop(id(pending), []):
+            outstanding[p] -= nbytes
+
+    Channel.post, Channel.wait = counting_post, counting_wait  # type: ignore[method-assign]
+    try:
+        allreduce(torch.ones(2 * IN_FLIGHT_BYTES // 4), algorithm=alg)
+    finally:
+        Channel.post, Channel.wait = post, wait  # type: ignore[method-assign]
+    return largest
 
 
 def _elements_sent(alg: str, length: int = 840 * 7) -> int:

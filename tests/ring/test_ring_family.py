@@ -11,6 +11,8 @@ import pytest
 import ring_workers
 from ring_launch import launch
 
+from aggregation.ring.exchange import IN_FLIGHT_BYTES
+
 pytestmark = pytest.mark.slow
 
 
@@ -46,3 +48,13 @@ def test_each_rank_sends_what_the_algorithm_promises(report: dict) -> None:
     assert [s["all_to_all"] for s in sent] == [2 * (n - 1) * length // n] * n
     halving = [2 * (p - 1) * length // p + (length if r < n - p else 0) for r in range(p)]
     assert [s["halving_doubling"] for s in sent] == halving + [length] * (n - p)
+
+
+def test_no_more_than_the_in_flight_budget_goes_to_one_peer_at_a_time(report: dict) -> None:
+    """A gloo send larger than the socket's send buffer is left to gloo's event loop, the
+    thread that also reads; the schedules built on exchange() keep below it."""
+    for out in report["ranks"]:
+        for alg, largest in out["in_flight"].items():
+            assert largest <= IN_FLIGHT_BYTES, (alg, largest)
+            if report["n"] > 1 and alg != "all_to_all":  # its pieces are S / n
+                assert largest >= IN_FLIGHT_BYTES // 2, (alg, largest)  # not needlessly small
