@@ -44,6 +44,7 @@ from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
 from client.training import (
     check_model,
     evaluate,
+    has_batch_norm,
     make_optimizer,
     resolve_device,
     train,
@@ -74,9 +75,11 @@ class _Worker:
     # (a dict, or client.vectorized.CohortResults, which trains a batch when first asked)
     pretrained: Any = field(default_factory=dict)
     local: list[tuple[str, slice]] = field(default_factory=list)  # what FedBN keeps
+    batch_norm: bool = False  # whether the model has batch norm (found once)
 
     def __post_init__(self) -> None:
         self.local = local_state.local_spans(self.model)
+        self.batch_norm = has_batch_norm(self.model.module)
 
     def global_model(self, record: ArrayRecord) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The sent model's per-tensor views and its flat float32 copy.
@@ -241,7 +244,8 @@ class FedringClient:
                                                               worker.task.train_config)
             else:
                 loss = train(model.module, x, y, worker.task.train_config, seed=seed,
-                             global_params=global_params, optimizer=worker.local_optimizer())
+                             global_params=global_params, optimizer=worker.local_optimizer(),
+                             batch_norm=worker.batch_norm)
             values["train_loss"] = loss
         model.to_host()  # the one copy back to the host (none on the CPU)
         local_state.keep(context.state, model, fedbn)
