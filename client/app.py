@@ -215,8 +215,12 @@ class FedringClient:
         record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
         base, base_flat = worker.global_model(record)
-        np.copyto(model.flat_np, base_flat)
         fedbn = _flag(config, ConfigKey.LOCAL_BUFFERS)
+        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
+        pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
+            else None
+        if pretrained is None or fedbn or model.exact:  # (trained with its cohort: the
+            np.copyto(model.flat_np, base_flat)       # model itself is not used)
         local_state.restore(context.state, model, fedbn)  # this node's own buffers
         model.to_device()  # the one copy to the device (none on the CPU)
         global_params = None
@@ -224,9 +228,6 @@ class FedringClient:
             global_params = [p.detach().clone() for p in model.module.parameters()]
         server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
         seed = training_seed(worker.task.seed, server_round, pid)
-        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
-        pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
-            else None
         trained = model.flat_np
         if worker.task.trainer is not None:  # the task's own loop (a user's task module)
             count, results = worker.task.trainer(model.module, pid, seed)
