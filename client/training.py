@@ -153,7 +153,7 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             loss.backward()
             opt.step()
             accountant.step(noise_multiplier=cfg.dp_sgd_noise_multiplier, sample_rate=rate)
-            total += float(loss.detach())
+            total += loss.item()
             steps += 1
     finally:
         gsm._close()  # removes Opacus' hooks so the cached module stays a plain module
@@ -194,9 +194,9 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
         if order.device != x.device:
             order = order.to(x.device)
         for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
-            if len(idx) < smallest:
+            if min(cfg.batch_size, n - start) < smallest:  # the batch's size
                 continue
+            idx = order[start:start + cfg.batch_size]
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(module(x[idx]), y[idx])
             if cfg.proximal_mu > 0:
@@ -205,7 +205,7 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
                 loss = loss + 0.5 * cfg.proximal_mu * prox
             loss.backward()
             opt.step()
-            total += float(loss.detach())
+            total += loss.item()
             steps += 1
     return total / max(steps, 1)
 
