@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -41,15 +42,18 @@ class Layout:
                 raise ValueError(f"layout {flag} must have one entry per name")
             object.__setattr__(self, flag, value)
 
-    @property
+    # A layout is immutable: its sizes, offsets and length are worked out once, not at
+    # every use (several times per client message).
+
+    @cached_property
     def sizes(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         return tuple(int(o) for o in np.cumsum((0, *self.sizes[:-1]))) if self.names else ()
 
-    @property
+    @cached_property
     def dim(self) -> int:
         """Length of the flat vector."""
         return sum(self.sizes)

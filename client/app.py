@@ -36,6 +36,7 @@ from client.momentum import momentum_update
 from client.protocol.errors import WireError
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
+from client.protocol.records import metric_record, record_dict
 from client.protocol.train import read_center, read_client_momentum
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
@@ -43,6 +44,7 @@ from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
 from client.training import (
     check_model,
     evaluate,
+    has_batch_norm,
     make_optimizer,
     resolve_device,
     train,
@@ -73,9 +75,11 @@ class _Worker:
     # (a dict, or client.vectorized.CohortResults, which trains a batch when first asked)
     pretrained: Any = field(default_factory=dict)
     local: list[tuple[str, slice]] = field(default_factory=list)  # what FedBN keeps
+    batch_norm: bool = False  # whether the model has batch norm (found once)
 
     def __post_init__(self) -> None:
         self.local = local_state.local_spans(self.model)
+        self.batch_norm = has_batch_norm(self.model.module)
 
     def global_model(self, record: ArrayRecord) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The sent model's per-tensor views and its flat float32 copy.
@@ -211,8 +215,12 @@ class FedringClient:
         record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
         base, base_flat = worker.global_model(record)
-        np.copyto(model.flat_np, base_flat)
         fedbn = _flag(config, ConfigKey.LOCAL_BUFFERS)
+        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
+        pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
+            else None
+        if pretrained is None or fedbn or model.exact:  # (trained with its cohort: the
+            np.copyto(model.flat_np, base_flat)       # model itself is not used)
         local_state.restore(context.state, model, fedbn)  # this node's own buffers
         model.to_device()  # the one copy to the device (none on the CPU)
         global_params = None
@@ -220,27 +228,26 @@ class FedringClient:
             global_params = [p.detach().clone() for p in model.module.parameters()]
         server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
         seed = training_seed(worker.task.seed, server_round, pid)
-        in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
-        pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
-            else None
         trained = model.flat_np
         if worker.task.trainer is not None:  # the task's own loop (a user's task module)
             count, results = worker.task.trainer(model.module, pid, seed)
-            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: count, **results})
+            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: count, **results})  # checked
             if "loss" in results:
                 metrics["train_loss"] = results["loss"]
+            values: dict[str, Any] = dict(metrics)
         else:
             x, y = self._data(worker, pid)
-            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
+            values = {MetricKey.NUM_EXAMPLES: len(x)}
             if pretrained is not None:  # trained with its cohort (client.vectorized)
                 trained, loss = pretrained
             elif worker.task.train_config.dp_sgd:
-                loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
-                                                               worker.task.train_config)
+                loss, values["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
+                                                              worker.task.train_config)
             else:
                 loss = train(model.module, x, y, worker.task.train_config, seed=seed,
-                             global_params=global_params, optimizer=worker.local_optimizer())
-            metrics["train_loss"] = loss
+                             global_params=global_params, optimizer=worker.local_optimizer(),
+                             batch_norm=worker.batch_norm)
+            values["train_loss"] = loss
         model.to_host()  # the one copy back to the host (none on the CPU)
         local_state.keep(context.state, model, fedbn)
         # In-process, the delta is written straight into the buffer its reply will carry.
@@ -256,12 +263,13 @@ class FedringClient:
             delta = momentum_update(context.state, delta, beta)
         tampered = worker.task.tamper(pid, delta, seed)  # simulated attackers only
         if tampered:
-            metrics[ATTACKER_METRIC] = 1
+            values[ATTACKER_METRIC] = 1
         center = read_center(config, model.dim)  # client-side centered clipping (secagg)
         if center is not None:
             clip_around(delta, *center)
-        return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
-                           base_flat=base_flat, trained=trained, model=model, partition_id=pid,
+        return LocalUpdate(delta=delta, metrics=metric_record(values), config=config,
+                           base=base, base_flat=base_flat, trained=trained, model=model,
+                           partition_id=pid,
                            noised=worker.task.local_dp is not None or tampered
                            or center is not None or bool(beta))
 
@@ -273,14 +281,15 @@ class FedringClient:
             raise WireError(f"config '{ConfigKey.REPLY}' must be 'delta' when given, got "
                             f"{config[ConfigKey.REPLY]!r}")
         if ConfigKey.REPLY in config:
-            metrics[MetricKey.BASE_VERSION] = _int_setting(config, ConfigKey.VERSION)
-            metrics[MetricKey.PARTITION] = pid
+            version = _int_setting(config, ConfigKey.VERSION)
+            metrics = metric_record({**metrics, MetricKey.BASE_VERSION: version,
+                                     MetricKey.PARTITION: pid})
             name, record = reply_record(config, delta, context.state, pid)  # compressed?
-            content = RecordDict({name: record, RecordName.METRICS: metrics})
+            content = record_dict({name: record, RecordName.METRICS: metrics})
         else:  # Flower's convention: full weights (base + the possibly noised delta)
             weights = update.base_flat + delta if update.noised else update.trained
-            content = RecordDict({RecordName.ARRAYS: model_record(model.layout, weights),
-                                  RecordName.METRICS: metrics})
+            content = record_dict({RecordName.ARRAYS: model_record(model.layout, weights),
+                                   RecordName.METRICS: metrics})
         return Message(content, reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:

@@ -49,6 +49,8 @@ def restore(state: RecordDict, model: FlatModel, fedbn: bool) -> None:
     """Put this node's own tensors into ``model``: the exact buffers (module tensors) and,
     with FedBN, the local entries of the host vector ``model.flat_np`` (before
     ``model.to_device``)."""
+    if not model.exact and not fedbn:  # nothing of its own to put back
+        return
     record = state.get(LOCAL_STATE)
     with torch.no_grad():
         for name, tensor in model.exact.items():
@@ -65,6 +67,8 @@ def restore(state: RecordDict, model: FlatModel, fedbn: bool) -> None:
 
 def keep(state: RecordDict, model: FlatModel, fedbn: bool) -> None:
     """Save this node's own tensors after training (``model.flat_np`` refreshed)."""
+    if not model.exact and not fedbn:
+        return
     arrays = {name: npy_array(t.detach().cpu().numpy()) for name, t in model.exact.items()}
     if fedbn:
         views = model.layout.unflatten(model.flat_np)

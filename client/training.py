@@ -153,7 +153,7 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             loss.backward()
             opt.step()
             accountant.step(noise_multiplier=cfg.dp_sgd_noise_multiplier, sample_rate=rate)
-            total += float(loss.detach())
+            total += loss.item()
             steps += 1
     finally:
         gsm._close()  # removes Opacus' hooks so the cached module stays a plain module
@@ -162,7 +162,8 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, *,
           seed: int, global_params: list[torch.Tensor] | None = None,
-          optimizer: torch.optim.Optimizer | None = None) -> float:
+          optimizer: torch.optim.Optimizer | None = None,
+          batch_norm: bool | None = None) -> float:
     """Train in place for ``cfg.local_epochs`` and return the mean training loss.
 
     With ``cfg.proximal_mu > 0`` the FedProx term (mu/2)||w - w_global||^2 is added
@@ -172,7 +173,8 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     the CPU from ``seed``, the same on every device. With batch norm a last batch of one
     sample is skipped: batch norm cannot normalise a single sample. ``optimizer``: one made
     by ``make_optimizer`` over this module's parameters, reused across calls (it is reset
-    first, so the result is that of a fresh one).
+    first, so the result is that of a fresh one). ``batch_norm``: whether ``module`` has
+    batch norm, when the caller knows (else the module tree is walked to find out).
     """
     params = ([p for p in module.parameters() if p.requires_grad]
               if optimizer is None or cfg.proximal_mu > 0 else [])
@@ -183,14 +185,18 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
     opt = make_optimizer(params, cfg) if optimizer is None else reset_optimizer(optimizer)
     gen = torch.Generator().manual_seed(seed)
     n = len(x)
-    smallest = 2 if has_batch_norm(module) else 1
+    if batch_norm is None:
+        batch_norm = has_batch_norm(module)
+    smallest = 2 if batch_norm else 1
     total, steps = 0.0, 0
     for _ in range(cfg.local_epochs):
-        order = torch.randperm(n, generator=gen).to(x.device)
+        order = torch.randperm(n, generator=gen)  # on the CPU: the same on every device
+        if order.device != x.device:
+            order = order.to(x.device)
         for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
-            if len(idx) < smallest:
+            if min(cfg.batch_size, n - start) < smallest:  # the batch's size
                 continue
+            idx = order[start:start + cfg.batch_size]
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(module(x[idx]), y[idx])
             if cfg.proximal_mu > 0:
@@ -199,7 +205,7 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
                 loss = loss + 0.5 * cfg.proximal_mu * prox
             loss.backward()
             opt.step()
-            total += float(loss.detach())
+            total += loss.item()
             steps += 1
     return total / max(steps, 1)
 

@@ -63,6 +63,40 @@ def decode_compressed(record: object, codec: RoundCodec | None) -> np.ndarray:
         raise WireError(f"malformed compressed update: {exc}") from exc
 
 
+def _plain_delta_reply(reply: Message, client_id: str, version: int) -> Update | None:
+    """What ``decode_train_reply`` makes of the usual reply, a "train" reply of a dense
+    delta and one metric record of plain numbers (exact ``int`` within int64, finite
+    ``float``) whose count and base version are right, found without the checks that
+    each word a reason; None for any other reply, which the full decoding then accepts
+    or refuses with its reason. The delta is read and checked as ever (``read_delta``)."""
+    if reply.has_error() or reply.metadata.message_type != "train":
+        return None
+    records = reply.content.__dict__.get("_data")
+    if type(records) is not dict or len(records) != 2:
+        return None
+    dense = records.get(RecordName.DELTA)
+    metrics = next((v for k, v in records.items() if k != RecordName.DELTA), None)
+    values = metrics.__dict__.get("_data") if type(metrics) is MetricRecord else None
+    if type(dense) is not ArrayRecord or type(values) is not dict:
+        return None
+    count, base = values.get(MetricKey.NUM_EXAMPLES), values.get(MetricKey.BASE_VERSION)
+    if not (type(count) is int and 0 < count <= _INT64_MAX and type(base) is int
+            and base == version):
+        return None
+    extra = {}
+    for key, value in values.items():
+        if type(value) is int and -_INT64_MAX <= value <= _INT64_MAX:
+            extra[key] = float(value)
+        elif type(value) is float and math.isfinite(value):
+            extra[key] = value
+        else:
+            return None
+        if type(key) is not str:
+            return None
+    return Update(client_id=client_id, delta=read_delta(dense), num_examples=count,
+                  base_version=base, metrics=extra)
+
+
 def decode_train_reply(reply: Message, *, client_id: str, layout: Layout,
                        base_params: np.ndarray, version: int,
                        codec: RoundCodec | None = None) -> Update:
@@ -73,6 +107,16 @@ def decode_train_reply(reply: Message, *, client_id: str, layout: Layout,
     for compressed deltas (a dense delta is accepted too). Raises ``WireError`` with
     the reason when the reply cannot be decoded.
     """
+    plain = _plain_delta_reply(reply, client_id, version)
+    if plain is not None:
+        return plain
+    return _decode(reply, client_id=client_id, layout=layout, base_params=base_params,
+                   version=version, codec=codec)
+
+
+def _decode(reply: Message, *, client_id: str, layout: Layout, base_params: np.ndarray,
+            version: int, codec: RoundCodec | None) -> Update:
+    """``decode_train_reply`` of any reply, every check wording its reason."""
     if reply.has_error():
         raise WireError(f"client error {reply.error.code}: {reply.error.reason}")
     kind = reply.metadata.message_type

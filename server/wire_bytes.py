@@ -32,6 +32,19 @@ def payload_bytes(message: Message) -> int:
     return total
 
 
+def _total_payload(messages: list[Message]) -> int:
+    """The payload bytes of ``messages``, each content counted once per message that
+    carries it but measured once (a round sends one content object to every client)."""
+    measured: dict[int, int] = {}
+    total = 0
+    for message in messages:
+        key = id(message.content) if message.has_content() else 0
+        if key not in measured:
+            measured[key] = payload_bytes(message)
+        total += measured[key]
+    return total
+
+
 class ByteCountingGrid(Grid):
     """Wraps a Grid; ``up`` and ``down`` grow with every reply pulled and message pushed."""
 
@@ -57,7 +70,7 @@ class ByteCountingGrid(Grid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
-        self.down += sum(payload_bytes(m) for m in messages)
+        self.down += _total_payload(messages)
         return self.inner.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
@@ -68,7 +81,7 @@ class ByteCountingGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
         messages = list(messages)
-        self.down += sum(payload_bytes(m) for m in messages)
+        self.down += _total_payload(messages)
         replies = list(self.inner.send_and_receive(messages, timeout=timeout))
         self.up += sum(payload_bytes(r) for r in replies)
         return replies

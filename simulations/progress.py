@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from server.reporter import Reporter
+
+REFRESH_S = 0.1  # Rich redraws a live display 10 times a second
 
 
 class RichReporter(Reporter):
@@ -21,6 +25,7 @@ class RichReporter(Reporter):
             transient=False)
         self._rounds = self.progress.add_task("rounds", total=rounds, info="")
         self._clients = self.progress.add_task("clients", total=1, info="")
+        self._shown = -math.inf  # when the clients' bar was last updated (monotonic)
 
     def __enter__(self) -> RichReporter:
         self.progress.start()
@@ -37,7 +42,12 @@ class RichReporter(Reporter):
                              completed=0)
 
     def client_done(self, rnd: int, done: int, sampled: int) -> None:
-        self.progress.update(self._clients, completed=done)
+        """The clients' bar, at most every ``REFRESH_S`` (the display's own rate) and at
+        the last client: not a bar update for each of thousands of quick clients."""
+        now = time.monotonic()
+        if done >= sampled or now - self._shown >= REFRESH_S:
+            self._shown = now
+            self.progress.update(self._clients, completed=done)
 
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
         info = (f"loss {metrics.get('loss', float('nan')):.4f}  "

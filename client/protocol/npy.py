@@ -24,6 +24,7 @@ import numpy as np
 from flwr.app import Array
 
 from client.protocol.errors import WireError
+from client.protocol.records import array
 
 NPY_STYPE = "numpy.ndarray"
 
@@ -70,7 +71,7 @@ def npy_array(a: np.ndarray) -> Array:
     shape = tuple(int(s) for s in a.shape)
     payload = memoryview(a).cast("B") if a.size else b""  # (memoryview refuses 0 sizes)
     data = b"".join((_npy_header(a.dtype, shape), payload))
-    return Array(dtype=str(a.dtype), shape=shape, stype=NPY_STYPE, data=data)
+    return array(str(a.dtype), shape, NPY_STYPE, data)
 
 
 class ReplyBuffers:
@@ -119,9 +120,7 @@ def shared_array(delta: np.ndarray) -> Array | None:
             and delta.dtype == np.float32 and delta.ndim == 1
             and len(base.obj) == len(_npy_header(delta.dtype, delta.shape)) + delta.nbytes):
         return None
-    arr = Array(dtype="float32", shape=delta.shape, stype=NPY_STYPE, data=b"")
-    arr.data = base.obj  # Array checks for bytes when it is made; the buffer is bytes-like
-    return arr
+    return array("float32", delta.shape, NPY_STYPE, base.obj)  # bytes-like, not bytes
 
 
 def npy_view(arr: Array) -> np.ndarray:

@@ -12,14 +12,13 @@ from aggregation.flat import Layout
 from client.protocol.errors import WireError
 from client.protocol.keys import RecordName
 from client.protocol.npy import npy_array, npy_view, shared_array
+from client.protocol.records import array_record
 
 
 def model_record(layout: Layout, params: np.ndarray) -> ArrayRecord:
     """The model as Flower expects it: one Array per named tensor."""
-    rec = ArrayRecord()
-    for name, view in layout.unflatten(params).items():
-        rec[name] = npy_array(view)
-    return rec
+    return array_record({name: npy_array(view)
+                         for name, view in layout.unflatten(params).items()})
 
 
 def model_views(record: ArrayRecord, layout: Layout) -> dict[str, np.ndarray]:
@@ -77,9 +76,7 @@ def read_model(record: ArrayRecord, layout: Layout, out: np.ndarray) -> np.ndarr
 def delta_record(delta: np.ndarray) -> ArrayRecord:
     """A client's flat float32 delta as a one-Array record (sharing, not copying, a delta
     that fills a ReplyBuffers buffer)."""
-    rec = ArrayRecord()
-    rec[RecordName.DELTA] = shared_array(delta) or npy_array(delta)
-    return rec
+    return array_record({RecordName.DELTA: shared_array(delta) or npy_array(delta)})
 
 
 def read_delta(record: ArrayRecord) -> np.ndarray:

@@ -19,12 +19,12 @@ import numbers
 import threading
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from functools import partial
+from functools import cache, partial
 from typing import Any
 from uuid import uuid4
 
 import numpy as np
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import bindparam, delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -63,6 +63,44 @@ from .values import (
 
 _clock_lock = threading.Lock()
 _clock_last = datetime.min.replace(tzinfo=UTC)
+
+
+_INSERT_ROUND = RoundRow.__table__.insert()
+_INSERT_UPDATES = UpdateRow.__table__.insert()
+_RUN_EXISTS = select(RunRow.__table__.c.run_id).where(
+    RunRow.__table__.c.run_id == bindparam("run_id"))
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+@cache
+def _delete_round_of(table: type[Base]) -> Any:
+    """DELETE FROM table WHERE run_id = :run_id AND round = :round (made once a table)."""
+    t = table.__table__
+    return t.delete().where(t.c.run_id == bindparam("run_id"), t.c.round == bindparam("round"))
+
+
+def _plain_update_row(run_id: str, rnd: int, u: Any) -> dict[str, Any] | None:
+    """``Store._update_row`` of an update made of plain values (exact ``str``, ``int`` and
+    finite ``float``, the way the server records them), without wording a message for each
+    check; None for anything else, which the full checks then accept, convert or refuse."""
+    if type(u) is not UpdateRecord:
+        return None
+    n, b, s, norm, w, m = (u.num_examples, u.base_version, u.staleness, u.norm, u.weight,
+                           u.metrics)
+    if not (type(u.client_id) is str and type(u.fate) is str and u.fate in FATES
+            and (u.reason is None or type(u.reason) is str)
+            and (n is None or (type(n) is int and 0 <= n <= _INT64_MAX))
+            and (b is None or (type(b) is int and _INT64_MIN <= b <= _INT64_MAX))
+            and (s is None or (type(s) is int and _INT64_MIN <= s <= _INT64_MAX))
+            and (norm is None or (type(norm) is float and math.isfinite(norm)))
+            and (w is None or (type(w) is float and math.isfinite(w)))
+            and type(m) is dict
+            and all(type(k) is str and type(v) is float and math.isfinite(v)
+                    for k, v in m.items())):
+        return None
+    return {"run_id": run_id, "round": rnd, "client_id": u.client_id, "num_examples": n,
+            "base_version": b, "staleness": s, "norm": norm, "weight": w, "fate": u.fate,
+            "reason": u.reason, "metrics": dict(m)}
 
 
 def _now() -> datetime:
@@ -134,8 +172,16 @@ class Store:
 
     @staticmethod
     def _delete_round(s: Session, table: type[Base], run_id: str, rnd: int) -> None:
-        """Delete a run's rows of round ``rnd`` in ``table`` (before it is recorded again)."""
-        s.execute(delete(table).where(table.run_id == run_id, table.round == rnd))
+        """Delete a run's rows of round ``rnd`` in ``table`` (before it is recorded again):
+        one prepared statement of the table's, not an ORM delete that would look for the
+        rows among the session's objects (a write's session holds none of them)."""
+        s.execute(_delete_round_of(table), {"run_id": run_id, "round": rnd})
+
+    def _check_run(self, s: Session, run_id: str) -> None:
+        """UnknownRun unless the run exists (without loading its row and config)."""
+        if not isinstance(run_id, str) or s.execute(_RUN_EXISTS, {"run_id": run_id}).first() \
+                is None:
+            raise UnknownRun(f"no run {run_id!r} in {self.display_url()}")
 
     def _run_row(self, s: Session, run_id: str) -> RunRow:
         row = s.get(RunRow, run_id) if isinstance(run_id, str) else None
@@ -256,7 +302,7 @@ class Store:
             not isinstance(started_at, datetime) or started_at.tzinfo is None
         ):
             raise ValueError(f"{where}: started_at must be an aware datetime, got {started_at!r}")
-        round_row = RoundRow(
+        round_row = dict(
             run_id=run_id,
             round=rnd,
             model_version=check_int(model_version, f"{where}: model_version", minimum=0),
@@ -272,16 +318,18 @@ class Store:
         )
         if isinstance(updates, UpdateRecord | str | bytes | Mapping):
             raise TypeError(f"{where}: updates must be a sequence of UpdateRecord")
-        rows = [self._update_row(run_id, rnd, i, u) for i, u in enumerate(updates)]
+        rows = [_plain_update_row(run_id, rnd, u) or self._update_row(run_id, rnd, i, u)
+                for i, u in enumerate(updates)]
         self.flush()  # a recorded round implies the checkpoint saved before it is complete
         with self._session() as s, s.begin():
-            self._run_row(s, run_id)
+            self._check_run(s, run_id)
             self._delete_round(s, UpdateRow, run_id, rnd)
             self._delete_round(s, RoundRow, run_id, rnd)
-            s.add(round_row)
-            s.flush()
+            # the tables' own INSERTs (the updates' as one executemany), without the ORM's
+            # unit of work: nothing here is read back as an object
+            s.execute(_INSERT_ROUND, round_row)
             if rows:
-                s.execute(insert(UpdateRow), rows)
+                s.execute(_INSERT_UPDATES, rows)
 
     @staticmethod
     def _update_row(run_id: str, rnd: int, i: int, u: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from flwr.app import ArrayRecord, RecordDict
 from torch import nn
 
 from client import local_state
+from client.app import _Worker
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
 from client.protocol.npy import npy_array
@@ -94,6 +95,16 @@ def test_a_last_batch_of_one_sample_is_skipped_with_batch_norm() -> None:
     model = FlatModel(_bn_cnn())
     train(model.module, x, y, TrainConfig(batch_size=8), seed=0)
     assert int(model.exact["1.num_batches_tracked"]) == 2
+    # a worker finds its model's batch norm once and tells train(), which then skips it too
+    worker = _Worker(task=None, model=FlatModel(_bn_cnn()), data={}, delta=np.empty(1))
+    assert worker.batch_norm and not _Worker(task=None, model=FlatModel(nn.Linear(2, 2)),
+                                             data={}, delta=np.empty(1)).batch_norm
+    train(worker.model.module, x, y, TrainConfig(batch_size=8), seed=0,
+          batch_norm=worker.batch_norm)
+    assert int(worker.model.exact["1.num_batches_tracked"]) == 2
+    with pytest.raises(ValueError, match="more than 1 value"):  # the one sample, if told none
+        train(FlatModel(_bn_cnn()).module, x, y, TrainConfig(batch_size=8), seed=0,
+              batch_norm=False)
 
 
 def _span(model: FlatModel, name: str) -> slice:

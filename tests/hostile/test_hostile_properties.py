@@ -31,7 +31,7 @@ from client.protocol.updates import delta_record, model_record
 from privacy.secagg import ProtocolError, SecAggConfig
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
-from server.replies import decode_train_reply
+from server.replies import _decode, _plain_delta_reply, decode_train_reply
 from server.rounds import update_record
 from server.store import Store
 from simulations.inprocess import InProcessGrid
@@ -247,6 +247,70 @@ def test_any_reply_decodes_to_a_valid_update_or_a_wire_error_and_is_stored(pair,
     rnd = next(rounds)  # the store takes whatever the server records about it
     store.record_round(run_id, round=rnd, model_version=0, metrics={}, updates=[record])
     assert store.updates(run_id, round=rnd)[0][1].fate == record.fate
+
+
+@PROPERTY
+@given(pair=_replies())
+def test_the_plain_reply_path_decodes_as_the_full_checks_do(pair, reply_store):
+    """Usual replies take a lean path; whatever it decodes, the full checks decode to the
+    same update (delta, count, version, metrics in order), and whatever it refuses (a
+    malformed delta), they refuse with the same reason. (``reply_store`` sets the task
+    identity that Flower's messages read.)"""
+    _, reply = pair
+    try:
+        plain = _plain_delta_reply(reply, "7", SENT_VERSION)
+    except WireError as exc:
+        plain = exc
+    try:
+        full = _decode(reply, client_id="7", layout=LAYOUT, base_params=BASE,
+                       version=SENT_VERSION, codec=None)
+    except WireError as exc:
+        assert plain is None or str(plain) == str(exc), (plain, exc)
+        return
+    assert not isinstance(plain, WireError), plain
+    if plain is not None:
+        assert (plain.client_id, plain.num_examples, plain.base_version) == \
+            (full.client_id, full.num_examples, full.base_version)
+        assert type(plain.num_examples) is type(full.num_examples)
+        assert list(plain.metrics.items()) == list(full.metrics.items())
+        assert all(type(v) is float for v in plain.metrics.values())
+        np.testing.assert_array_equal(plain.delta, full.delta)
+        assert plain.delta.dtype == full.delta.dtype
+
+
+def test_the_usual_reply_takes_the_plain_path(reply_store):
+    reply = Message(RecordDict({
+        "delta": delta_record(np.ones(LAYOUT.dim, np.float32)),
+        "metrics": MetricRecord({MetricKey.NUM_EXAMPLES: 5, "train_loss": 0.5,
+                                 MetricKey.BASE_VERSION: SENT_VERSION,
+                                 MetricKey.PARTITION: 2})}), 7, "train")
+    plain = _plain_delta_reply(reply, "7", SENT_VERSION)
+    assert plain is not None and plain.num_examples == 5
+    assert plain.metrics == {MetricKey.NUM_EXAMPLES: 5.0, "train_loss": 0.5,
+                             MetricKey.BASE_VERSION: float(SENT_VERSION),
+                             MetricKey.PARTITION: 2.0}
+    assert _plain_delta_reply(reply, "7", SENT_VERSION + 1) is None  # another version
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 10**400, 2**64, True,
+                                   [1.0], np.float32(0.5)])
+def test_a_metric_the_full_checks_refuse_or_convert_leaves_the_plain_path(value, reply_store):
+    reply = Message(RecordDict({
+        "delta": delta_record(np.ones(LAYOUT.dim, np.float32)),
+        "metrics": MetricRecord({MetricKey.NUM_EXAMPLES: 5, MetricKey.BASE_VERSION: 3})}),
+        7, "train")
+    reply.content["metrics"].__dict__["_data"]["x"] = value  # however it got there
+    assert _plain_delta_reply(reply, "7", SENT_VERSION) is None
+    try:
+        update = decode_train_reply(reply, client_id="7", layout=LAYOUT, base_params=BASE,
+                                    version=SENT_VERSION)
+    except WireError as exc:
+        assert "metric 'x' is not a finite number" in str(exc)
+    else:  # a bool, a list or a numpy float32 is not a scalar metric: left out
+        if isinstance(value, int) and not isinstance(value, bool):
+            assert update.metrics["x"] == float(value)  # beyond int64, kept as a float
+        else:
+            assert "x" not in update.metrics
 
 
 # ---------------------------------------------------------------- secure aggregation

@@ -112,6 +112,31 @@ def test_the_progress_line_shows_epsilon_after_every_round():
     assert "acc 0.7500" in shown and "eps 0.812" in shown
 
 
+def test_the_clients_bar_is_updated_at_the_display_rate_and_at_the_last_client(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from simulations import progress
+    from simulations.progress import RichReporter
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    with RichReporter(1, console=Console(file=io.StringIO(), width=120)) as reporter:
+        updates = []
+        update = reporter.progress.update
+        reporter.progress.update = lambda *a, **k: (updates.append(k), update(*a, **k))[1]
+        reporter.round_started(1, 1000)
+        updates.clear()
+        for done in range(1, 1001):  # 1000 clients in 0.25 s
+            clock[0] += 0.00025
+            reporter.client_done(1, done, 1000)
+        completed = [u["completed"] for u in updates]
+        assert completed[0] == 1 and completed[-1] == 1000  # the first and the last
+        assert 3 <= len(completed) <= 5  # every 0.1 s in between, not 1000 updates
+        assert reporter.progress.tasks[1].completed == 1000
+
+
 def test_a_run_that_crashes_ends_the_stream_with_its_status(tmp_path, capsys):
     class Crashing:
         """The scenario's task, whose evaluation breaks after the initial model's."""

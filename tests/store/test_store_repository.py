@@ -218,6 +218,47 @@ def test_record_round_with_updates(store: Store):
     assert store.updates(run_id, round=9) == []
 
 
+def test_plain_updates_read_back_as_written(store: Store):
+    """Updates made of plain str/int/float values (as the server records them) take the
+    store's lean path: they read back equal to what was written, and equal to the same
+    values given as numpy scalars (which go through the full checks)."""
+    run_id = store.create_run(config={}, seed=0)
+    plain = [UpdateRecord(str(i), "accepted", num_examples=i + 1, base_version=2 ** 62,
+                          staleness=-(2 ** 63), norm=0.1 * i, weight=float(i + 1),
+                          metrics={"train_loss": 1.0 / (i + 1), "num-examples": i + 1.0})
+             for i in range(5)]
+    plain += [UpdateRecord("r", "rejected", reason="late"), UpdateRecord("d", "dropped")]
+    numpy_typed = [UpdateRecord(u.client_id, u.fate, reason=u.reason,
+                                num_examples=None if u.num_examples is None
+                                else np.int64(u.num_examples),
+                                base_version=u.base_version, staleness=u.staleness,
+                                norm=None if u.norm is None else np.float64(u.norm),
+                                weight=u.weight,
+                                metrics={k: np.float64(v) for k, v in u.metrics.items()})
+                   for u in plain]
+    store.record_round(run_id, round=1, model_version=1, updates=plain)
+    store.record_round(run_id, round=2, model_version=2, updates=numpy_typed)
+    got1 = [u for _, u in store.updates(run_id, round=1)]
+    got2 = [u for _, u in store.updates(run_id, round=2)]
+    assert got1 == plain
+    assert got2 == plain
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("num_examples", 2 ** 63, "does not fit in 64 bits"),
+    ("base_version", -(2 ** 63) - 1, "does not fit in 64 bits"),
+    ("num_examples", True, "got a bool"),
+    ("reason", 3, "reason must be a str"),
+])
+def test_plain_update_values_out_of_range_are_refused(store: Store, field, value, match):
+    run_id = store.create_run(config={}, seed=0)
+    update = UpdateRecord("c", "accepted", num_examples=3)
+    object.__setattr__(update, field, value)
+    with pytest.raises((TypeError, ValueError), match=match):
+        store.record_round(run_id, round=1, model_version=1, updates=[update])
+    assert store.updates(run_id) == []
+
+
 def test_infinite_norm_is_kept(store: Store):
     run_id = store.create_run(config={}, seed=0)
     store.record_round(
