@@ -69,7 +69,8 @@ _INSERT_ROUND = RoundRow.__table__.insert()
 _INSERT_UPDATES = UpdateRow.__table__.insert()
 _RUN_EXISTS = select(RunRow.__table__.c.run_id).where(
     RunRow.__table__.c.run_id == bindparam("run_id"))
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT64_MAX = 2**63 - 1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1  # Integer columns: PostgreSQL's are 32-bit
 
 
 @cache
@@ -90,8 +91,8 @@ def _plain_update_row(run_id: str, rnd: int, u: Any) -> dict[str, Any] | None:
     if not (type(u.client_id) is str and type(u.fate) is str and u.fate in FATES
             and (u.reason is None or type(u.reason) is str)
             and (n is None or (type(n) is int and 0 <= n <= _INT64_MAX))
-            and (b is None or (type(b) is int and _INT64_MIN <= b <= _INT64_MAX))
-            and (s is None or (type(s) is int and _INT64_MIN <= s <= _INT64_MAX))
+            and (b is None or (type(b) is int and _INT32_MIN <= b <= _INT32_MAX))
+            and (s is None or (type(s) is int and _INT32_MIN <= s <= _INT32_MAX))
             and (norm is None or (type(norm) is float and math.isfinite(norm)))
             and (w is None or (type(w) is float and math.isfinite(w)))
             and type(m) is dict
@@ -349,8 +350,9 @@ class Store:
             "num_examples": check_int(
                 u.num_examples, f"{where}: num_examples", minimum=0, nullable=True
             ),
-            "base_version": check_int(u.base_version, f"{where}: base_version", nullable=True),
-            "staleness": check_int(u.staleness, f"{where}: staleness", nullable=True),
+            "base_version": check_int(u.base_version, f"{where}: base_version", nullable=True,
+                                      bits=32),
+            "staleness": check_int(u.staleness, f"{where}: staleness", nullable=True, bits=32),
             "norm": float_column(u.norm, f"{where}: norm"),
             "weight": float_column(u.weight, f"{where}: weight"),
             "fate": u.fate,

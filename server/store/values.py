@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-_INT64 = (-(2**63), 2**63 - 1)
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def check_int(value: Any, what: str, *, minimum: int | None = None, nullable: bool = False) -> Any:
+def check_int(value: Any, what: str, *, minimum: int | None = None, nullable: bool = False,
+              bits: int = 64) -> Any:
+    """``value`` as a Python int that fits a signed ``bits``-bit column (None if nullable)."""
     if value is None and nullable:
         return None
     if isinstance(value, bool | np.bool_):
@@ -40,8 +41,8 @@ def check_int(value: Any, what: str, *, minimum: int | None = None, nullable: bo
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
     if minimum is not None and out < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {out}")
-    if not _INT64[0] <= out <= _INT64[1]:
-        raise ValueError(f"{what} {out} does not fit in 64 bits")
+    if not -(2 ** (bits - 1)) <= out < 2 ** (bits - 1):
+        raise ValueError(f"{what} {out} does not fit in {bits} bits")
     return out
 
 

@@ -223,8 +223,8 @@ def test_plain_updates_read_back_as_written(store: Store):
     store's lean path: they read back equal to what was written, and equal to the same
     values given as numpy scalars (which go through the full checks)."""
     run_id = store.create_run(config={}, seed=0)
-    plain = [UpdateRecord(str(i), "accepted", num_examples=i + 1, base_version=2 ** 62,
-                          staleness=-(2 ** 63), norm=0.1 * i, weight=float(i + 1),
+    plain = [UpdateRecord(str(i), "accepted", num_examples=i + 1, base_version=2 ** 31 - 1,
+                          staleness=-(2 ** 31), norm=0.1 * i, weight=float(i + 1),
                           metrics={"train_loss": 1.0 / (i + 1), "num-examples": i + 1.0})
              for i in range(5)]
     plain += [UpdateRecord("r", "rejected", reason="late"), UpdateRecord("d", "dropped")]
@@ -246,7 +246,8 @@ def test_plain_updates_read_back_as_written(store: Store):
 
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("num_examples", 2 ** 63, "does not fit in 64 bits"),
-    ("base_version", -(2 ** 63) - 1, "does not fit in 64 bits"),
+    ("base_version", -(2 ** 31) - 1, "does not fit in 32 bits"),
+    ("staleness", 2 ** 31, "does not fit in 32 bits"),
     ("num_examples", True, "got a bool"),
     ("reason", 3, "reason must be a str"),
 ])
