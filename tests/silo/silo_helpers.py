@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -199,3 +200,23 @@ def flwr_run(fed: dict[str, Any], federation: str, db: str,
         if run.poll() is None:
             run.kill()
             run.communicate()
+
+
+def kill_silo_in_round_2(silos: dict[str, Any], run: subprocess.Popen, action: str,
+                         silo: int) -> str:
+    """Wait until silo ``silo``'s SuperNode received its second ``action`` message, kill
+    that silo's job (torchrun, its workers and their children), and return the run's
+    output once it ends, which it must do with exit status 0."""
+    victim_node = silos["procs"][f"supernode-{silo}"]
+    victim_silo = silos["procs"][f"silo-{silo}"]
+    log = Path(victim_node["log"])
+    deadline = time.monotonic() + 300
+    while log.read_text(errors="replace").count(f"Receiving: {action} message") < 2:
+        assert run.poll() is None, run.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, "round 2 never reached the last silo"
+        time.sleep(0.02)
+    for pid in [victim_silo["pid"], *deploy.descendants([victim_silo["pid"]])]:
+        os.kill(pid, signal.SIGKILL)
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, out[-4000:]
+    return out

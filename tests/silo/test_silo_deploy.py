@@ -9,21 +9,16 @@ that, a secure run over the same silos sums masked updates over the ring.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from silo_helpers import deployed_silos, expected_first_round, flwr_run
+from silo_helpers import deployed_silos, expected_first_round, flwr_run, kill_silo_in_round_2
 
 from server.store import Store
-from simulations import deploy
 
 PROCESSES = (2, 1, 1)  # per silo; three: a secure sum needs secagg.min_survivors = 3
 SILOS = len(PROCESSES)
@@ -37,10 +32,6 @@ def silos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A SuperLink, SuperNodes with --isolation process, and a `fedring silo` per node."""
     with deployed_silos(tmp_path_factory.mktemp("silos"), PROCESSES, FEDERATION) as fed:
         yield fed
-
-
-def _train_messages(log: str) -> int:
-    return Path(log).read_text(errors="replace").count("Receiving: train.cross_silo message")
 
 
 def _flwr_run(silos: dict[str, Any], db: str, rounds: int,
@@ -77,18 +68,8 @@ def test_real_silos_sum_masked_updates_over_the_ring(silos: dict[str, Any]) -> N
 def test_real_silos_aggregate_over_the_ring_and_a_killed_silo_fails_the_round(
         silos: dict[str, Any]) -> None:
     db = f"sqlite:///{silos['tmp'] / 'silos.db'}"
-    victim_node = silos["procs"][f"supernode-{SILOS - 1}"]
-    victim_silo = silos["procs"][f"silo-{SILOS - 1}"]
     with _flwr_run(silos, db, 2, "silo.ring_timeout_s=3") as run:
-        deadline = time.monotonic() + 300
-        while _train_messages(victim_node["log"]) < 2:  # round 2's message is in
-            assert run.poll() is None, run.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "round 2 never reached the last silo"
-            time.sleep(0.02)
-        for pid in [victim_silo["pid"], *deploy.descendants([victim_silo["pid"]])]:
-            os.kill(pid, signal.SIGKILL)  # torchrun, its worker and the worker's children
-        out, _ = run.communicate(timeout=300)
-    assert run.returncode == 0, out[-4000:]
+        out = kill_silo_in_round_2(silos, run, "train.cross_silo", SILOS - 1)
 
     with Store(db) as store:
         [info] = store.list_runs()

@@ -9,17 +9,13 @@ runs on a topology of the two left, so the run completes.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from silo_helpers import deployed_silos, flwr_run
+from silo_helpers import deployed_silos, flwr_run, kill_silo_in_round_2
 
 from server.store import Store
-from simulations import deploy
 from simulations.task import ScenarioTask
 
 PROCESSES = (2, 1, 1)  # per silo
@@ -29,29 +25,15 @@ FEDERATION = "fedring-gossip"
 pytestmark = pytest.mark.slow
 
 
-def _gossip_messages(log: str) -> int:
-    return Path(log).read_text(errors="replace").count("Receiving: train.gossip message")
-
-
 def test_a_killed_silo_is_dropped_from_the_next_topology_and_the_run_finishes(
         tmp_path: Path) -> None:
     with deployed_silos(tmp_path, PROCESSES, FEDERATION) as silos:
         db = f"sqlite:///{silos['tmp'] / 'gossip.db'}"
-        victim_node = silos["procs"][f"supernode-{SILOS - 1}"]
-        victim_silo = silos["procs"][f"silo-{SILOS - 1}"]
         overrides = (f"federation.clients={SILOS} federation.min_clients=2 "
                      "federation.rounds=3 federation.round_timeout_s=120 train.local_epochs=1 "
                      "driver.kind=gossip silo.join_timeout_s=10 silo.ring_timeout_s=3")
         with flwr_run(silos, FEDERATION, db, overrides) as run:
-            deadline = time.monotonic() + 300
-            while _gossip_messages(victim_node["log"]) < 2:  # round 2's message is in
-                assert run.poll() is None, run.communicate()[0][-4000:]
-                assert time.monotonic() < deadline, "round 2 never reached the last silo"
-                time.sleep(0.02)
-            for pid in [victim_silo["pid"], *deploy.descendants([victim_silo["pid"]])]:
-                os.kill(pid, signal.SIGKILL)  # torchrun, its worker and the worker's children
-            out, _ = run.communicate(timeout=300)
-        assert run.returncode == 0, out[-4000:]
+            out = kill_silo_in_round_2(silos, run, "train.gossip", SILOS - 1)
 
     with Store(db) as store:
         [info] = store.list_runs()
