@@ -71,6 +71,8 @@ class SiloWorker:
     device: torch.device
     delta: np.ndarray
     data: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    splits: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)  # (pid, held-out fraction) -> (train, held-out) indices
 
     @classmethod
     def build(cls, task: ClientTask, device: torch.device) -> SiloWorker:
@@ -100,9 +102,12 @@ class SiloWorker:
         return x[held], y[held]
 
     def _split(self, pid: int, holdout: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        train_idx, held = holdout_split(n, holdout, self.task.seed, pid)
-        return (torch.from_numpy(train_idx).to(self.device),
-                torch.from_numpy(held).to(self.device))
+        """The partition's (train, held-out) indices on the device, drawn once."""
+        if (pid, holdout) not in self.splits:
+            train_idx, held = holdout_split(n, holdout, self.task.seed, pid)
+            self.splits[pid, holdout] = (torch.from_numpy(train_idx).to(self.device),
+                                         torch.from_numpy(held).to(self.device))
+        return self.splits[pid, holdout]
 
     def to_module(self) -> None:
         """Copy the host vector into the training module (a no-op on the CPU)."""

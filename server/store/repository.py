@@ -69,8 +69,6 @@ _INSERT_ROUND = RoundRow.__table__.insert()
 _INSERT_UPDATES = UpdateRow.__table__.insert()
 _RUN_EXISTS = select(RunRow.__table__.c.run_id).where(
     RunRow.__table__.c.run_id == bindparam("run_id"))
-_INT64_MAX = 2**63 - 1
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1  # Integer columns: PostgreSQL's are 32-bit
 
 
 @cache
@@ -78,30 +76,6 @@ def _delete_round_of(table: type[Base]) -> Any:
     """DELETE FROM table WHERE run_id = :run_id AND round = :round (made once a table)."""
     t = table.__table__
     return t.delete().where(t.c.run_id == bindparam("run_id"), t.c.round == bindparam("round"))
-
-
-def _plain_update_row(run_id: str, rnd: int, u: Any) -> dict[str, Any] | None:
-    """``Store._update_row`` of an update made of plain values (exact ``str``, ``int`` and
-    finite ``float``, the way the server records them), without wording a message for each
-    check; None for anything else, which the full checks then accept, convert or refuse."""
-    if type(u) is not UpdateRecord:
-        return None
-    n, b, s, norm, w, m = (u.num_examples, u.base_version, u.staleness, u.norm, u.weight,
-                           u.metrics)
-    if not (type(u.client_id) is str and type(u.fate) is str and u.fate in FATES
-            and (u.reason is None or type(u.reason) is str)
-            and (n is None or (type(n) is int and 0 <= n <= _INT64_MAX))
-            and (b is None or (type(b) is int and _INT32_MIN <= b <= _INT32_MAX))
-            and (s is None or (type(s) is int and _INT32_MIN <= s <= _INT32_MAX))
-            and (norm is None or (type(norm) is float and math.isfinite(norm)))
-            and (w is None or (type(w) is float and math.isfinite(w)))
-            and type(m) is dict
-            and all(type(k) is str and type(v) is float and math.isfinite(v)
-                    for k, v in m.items())):
-        return None
-    return {"run_id": run_id, "round": rnd, "client_id": u.client_id, "num_examples": n,
-            "base_version": b, "staleness": s, "norm": norm, "weight": w, "fate": u.fate,
-            "reason": u.reason, "metrics": dict(m)}
 
 
 def _now() -> datetime:
@@ -319,8 +293,7 @@ class Store:
         )
         if isinstance(updates, UpdateRecord | str | bytes | Mapping):
             raise TypeError(f"{where}: updates must be a sequence of UpdateRecord")
-        rows = [_plain_update_row(run_id, rnd, u) or self._update_row(run_id, rnd, i, u)
-                for i, u in enumerate(updates)]
+        rows = [self._update_row(run_id, rnd, i, u) for i, u in enumerate(updates)]
         self.flush()  # a recorded round implies the checkpoint saved before it is complete
         with self._session() as s, s.begin():
             self._check_run(s, run_id)

@@ -219,9 +219,8 @@ def test_record_round_with_updates(store: Store):
 
 
 def test_plain_updates_read_back_as_written(store: Store):
-    """Updates made of plain str/int/float values (as the server records them) take the
-    store's lean path: they read back equal to what was written, and equal to the same
-    values given as numpy scalars (which go through the full checks)."""
+    """Updates made of plain str/int/float values (as the server records them) read back
+    equal to what was written, and equal to the same values given as numpy scalars."""
     run_id = store.create_run(config={}, seed=0)
     plain = [UpdateRecord(str(i), "accepted", num_examples=i + 1, base_version=2 ** 31 - 1,
                           staleness=-(2 ** 31), norm=0.1 * i, weight=float(i + 1),
