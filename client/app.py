@@ -54,6 +54,10 @@ from privacy.dp import local_dp_update
 from privacy.secagg import ProtocolError
 
 MESSAGE_REFUSED = 400  # Error code of the reply to a server message the client cannot use
+# In-process, a CPU model this large trains in its reply's buffer and its delta is made
+# there in place: one pass over the model instead of a subtraction into a third vector.
+# Smaller, moving the model (about 10 us) costs more than the pass it saves (measured).
+IN_PLACE_MIN_DIM = 1 << 16
 
 
 @dataclass
@@ -76,6 +80,7 @@ class _Worker:
     pretrained: Any = field(default_factory=dict)
     local: list[tuple[str, slice]] = field(default_factory=list)  # what FedBN keeps
     batch_norm: bool = False  # whether the model has batch norm (found once)
+    lent: bool = False  # the model's storage is a reply's delta (made there in place)
 
     def __post_init__(self) -> None:
         self.local = local_state.local_spans(self.model)
@@ -99,6 +104,15 @@ class _Worker:
             self.base_record, self.base_views = record, views
         return self.base_views, self.base_flat
 
+    def writable_model(self, *, into_reply: bool = False) -> FlatModel:
+        """The model, ready to be written: moved out of a buffer it lent to a reply (which
+        the server may still hold), or, ``into_reply``, into a free reply buffer, where
+        its delta can then be made in place and sent without a copy."""
+        if self.lent or into_reply:
+            self.model.rebind(self.replies.delta(self.model.dim))
+            self.lent = False
+        return self.model
+
     def local_optimizer(self) -> torch.optim.Optimizer:
         """The worker's optimizer over its model (``train`` resets it for each client)."""
         if self.optimizer is None:
@@ -116,7 +130,7 @@ class LocalUpdate:
     config: ConfigRecord
     base: dict[str, np.ndarray]
     base_flat: np.ndarray  # the global model, flat (the worker's buffer: read it at once)
-    trained: np.ndarray  # the trained model, flat (a buffer too)
+    trained: np.ndarray  # the trained model, flat (a buffer too; in place: the delta)
     model: FlatModel
     partition_id: int
     noised: bool
@@ -219,6 +233,9 @@ class FedringClient:
         in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
         pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
             else None
+        in_place = (in_process and pretrained is None and model.on_host
+                    and model.dim >= IN_PLACE_MIN_DIM and ConfigKey.REPLY in config)
+        worker.writable_model(into_reply=in_place)
         if pretrained is None or fedbn or model.exact:  # (trained with its cohort: the
             np.copyto(model.flat_np, base_flat)       # model itself is not used)
         local_state.restore(context.state, model, fedbn)  # this node's own buffers
@@ -251,7 +268,10 @@ class FedringClient:
         model.to_host()  # the one copy back to the host (none on the CPU)
         local_state.keep(context.state, model, fedbn)
         # In-process, the delta is written straight into the buffer its reply will carry.
-        delta = worker.replies.delta(model.dim) if in_process else worker.delta
+        if in_place:  # the model trained in that buffer: ``trained`` becomes the delta
+            delta, worker.lent = trained, True
+        else:
+            delta = worker.replies.delta(model.dim) if in_process else worker.delta
         np.subtract(trained, base_flat, out=delta)
         for _, span in worker.local if fedbn else ():
             delta[span] = 0.0  # FedBN: kept here, never averaged
@@ -296,7 +316,7 @@ class FedringClient:
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
         pid = self._partition_id(context)
-        model = worker.model
+        model = worker.writable_model()
         read_model(record_of(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout,
                    out=model.flat_np)
         local_state.restore(context.state, model, _flag(config, ConfigKey.LOCAL_BUFFERS))

@@ -60,16 +60,13 @@ class FlatModel:
                 target[name] = buffers[name]
         self.layout = Layout.of(tensors, buffers=set(tensors) - set(params),
                                 norm=norm_tensor_names(module))
-        self.flat = torch.zeros(self.layout.dim, dtype=torch.float32, device=self.device)
+        flat = torch.zeros(self.layout.dim, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            for (name, t), off, size in zip(tensors.items(), self.layout.offsets,
-                                            self.layout.sizes, strict=True):
-                view = self.flat[off:off + size].view(t.shape)
-                view.copy_(t.detach().to(torch.float32))
-                if name in params:
-                    t.data = view
-                else:
-                    _set_buffer(module, name, view)
+            for t, off, size in zip(tensors.values(), self.layout.offsets, self.layout.sizes,
+                                    strict=True):
+                flat[off:off + size].view(t.shape).copy_(t.detach().to(torch.float32))
+        self._owners = [params.get(name) for name in tensors]  # (None: a buffer)
+        self._bind(flat)
         self.exact_initial = {n: t.detach().cpu().clone() for n, t in self.exact.items()}
         if self.device.type == "cpu":
             self.flat_np = self.flat.numpy()  # shares memory with ``flat``
@@ -108,6 +105,31 @@ class FlatModel:
         model on the CPU; the refreshed host mirror on a GPU)."""
         self.to_host()
         return self.flat_np
+
+    def rebind(self, flat_np: np.ndarray) -> None:
+        """Move a CPU model into ``flat_np``, a float32 vector of its length: parameters and
+        floating-point buffers become views of it, as they were of ``flat`` (whose values
+        are not copied). The parameters stay the same objects, so an optimizer over them
+        goes on working."""
+        if not self.on_host:
+            raise ValueError("only a model on the CPU can be moved into a host vector")
+        if flat_np.dtype != np.float32 or flat_np.shape != (self.dim,):
+            raise ValueError(f"a model of {self.dim} parameters needs a float32 vector of that "
+                             f"length, got {flat_np.dtype} of shape {flat_np.shape}")
+        self._bind(torch.from_numpy(flat_np))
+        self.flat_np = flat_np
+
+    def _bind(self, flat: torch.Tensor) -> None:
+        """Make every parameter and floating-point buffer a view of ``flat``."""
+        layout = self.layout
+        for name, owner, off, size, shape in zip(layout.names, self._owners, layout.offsets,
+                                                 layout.sizes, layout.shapes, strict=True):
+            view = flat[off:off + size].view(shape)
+            if owner is not None:
+                owner.data = view
+            else:
+                _set_buffer(self.module, name, view)
+        self.flat = flat
 
     def reset_exact(self) -> None:
         """Put the non-floating buffers back to their values when the model was built."""

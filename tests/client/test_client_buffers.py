@@ -14,7 +14,14 @@ from client.flat_model import FlatModel
 from client.protocol.errors import WireError
 from client.protocol.npy import npy_array
 from client.protocol.updates import model_views
-from client.training import TrainConfig, check_model, resolve_device, train, train_dp_sgd
+from client.training import (
+    TrainConfig,
+    check_model,
+    make_optimizer,
+    resolve_device,
+    train,
+    train_dp_sgd,
+)
 
 
 def _bn_cnn(momentum: float | None = 0.1) -> nn.Module:
@@ -56,6 +63,32 @@ def test_float_buffers_live_in_the_vector_and_the_count_outside() -> None:
     np.testing.assert_array_equal(model.module[1].running_var.numpy(),
                                   layout.unflatten(np.arange(layout.dim, dtype=np.float32))
                                   ["1.running_var"])
+
+
+def test_a_model_moved_into_another_vector_trains_and_keeps_its_buffers_there() -> None:
+    """``rebind``: parameters and float buffers become views of the new vector, the
+    parameters stay the objects an optimizer holds, and nothing is left in the old one."""
+    model, plain = FlatModel(_bn_cnn()), FlatModel(_bn_cnn())
+    params = list(model.module.parameters())
+    cfg = TrainConfig(local_epochs=1, batch_size=8)
+    opt = make_optimizer(params, cfg)
+    old = model.flat_np
+    target = np.empty(model.dim, dtype=np.float32)
+    np.copyto(target, old)
+    model.rebind(target)
+    assert model.flat_np is target and list(model.module.parameters()) == params
+    old_values = old.copy()
+    x, y = _data()
+    train(model.module, x, y, cfg, seed=3, optimizer=opt)
+    train(plain.module, x, y, cfg, seed=3)
+    np.testing.assert_array_equal(old, old_values)  # the old vector is no longer the model
+    np.testing.assert_array_equal(target, plain.flat_np)  # weights and statistics moved here
+    for name, view in model.layout.unflatten(target).items():
+        np.testing.assert_array_equal(view, model.module.state_dict()[name].numpy())
+    with pytest.raises(ValueError, match="float32 vector of that length"):
+        model.rebind(np.empty(model.dim - 1, dtype=np.float32))
+    with pytest.raises(ValueError, match="float32 vector"):
+        model.rebind(np.empty(model.dim, dtype=np.float64))
 
 
 def test_training_updates_parameters_by_gradient_and_buffers_by_the_batches() -> None:

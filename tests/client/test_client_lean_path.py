@@ -119,3 +119,96 @@ def test_a_message_still_runs_when_the_worker_model_was_left_in_eval_mode() -> N
     worker.model.module.eval()
     client_app(msg, ctx)
     assert worker.model.module.training
+
+
+# ---- a large model trains in its reply's buffer and makes its delta there in place
+
+
+def _grid_call(grid: InProcessGrid, content: RecordDict, node: int, kind: str) -> Message:
+    [msg_id] = grid.push_messages([Message(content, node, kind, group_id="1")])
+    [reply] = grid.pull_messages([msg_id])
+    assert not reply.has_error(), reply.error
+    return reply
+
+
+def _train(grid: InProcessGrid, node: int, rnd: int = 1) -> np.ndarray:
+    """The delta of ``node``'s reply: a view of the reply's own buffer (nothing copied)."""
+    params, layout = TASK.initial_params()
+    content = RecordDict({"arrays": model_record(layout, params),
+                          "config": train_config(rnd, rnd, TASK_JSON, 0)})
+    reply = _grid_call(grid, content, node, "train")
+    return decode_train_reply(reply, client_id=str(node), layout=layout, base_params=params,
+                              version=rnd).delta
+
+
+@pytest.fixture
+def in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    import client.app
+
+    monkeypatch.setattr(client.app, "IN_PLACE_MIN_DIM", 0)  # the test model is small
+
+
+def _worker():
+    from client.app import _WORKERS
+
+    return _WORKERS[TASK_JSON]
+
+
+def test_an_in_place_delta_is_the_copying_paths_delta_in_the_models_own_buffer(
+        in_place: None) -> None:
+    grid = InProcessGrid(client_app, 3)
+    delta = _train(grid, 2)
+    assert np.shares_memory(delta, _worker().model.flat_np)  # made where the model trained
+    import client.app
+
+    client.app.IN_PLACE_MIN_DIM = 1 << 62  # (the fixture puts it back)
+    copied = _train(grid, 2)
+    assert not np.shares_memory(copied, _worker().model.flat_np)
+    np.testing.assert_array_equal(delta, copied)
+    assert np.any(delta != 0)
+
+
+def test_a_reply_the_server_holds_is_never_written_by_later_messages(in_place: None) -> None:
+    """A robust combine keeps every delta until the round ends: neither the next client's
+    training nor an evaluation on the same worker may write into the buffer it holds."""
+    grid = InProcessGrid(client_app, 3)
+    held = _train(grid, 1)
+    kept = held.copy()
+    other = _train(grid, 2)
+    assert not np.shares_memory(held, other)
+    np.testing.assert_array_equal(held, kept)
+    params, layout = TASK.initial_params()
+    evaluation = RecordDict({"arrays": model_record(layout, params + np.float32(0.5)),
+                             "config": ConfigRecord({"fedring.task": TASK_JSON})})
+    reply = _grid_call(grid, evaluation, 3, "evaluate")
+    assert reply.content["metrics"]["num-examples"] > 0
+    np.testing.assert_array_equal(held, kept)
+    np.testing.assert_array_equal(other, _train(grid, 2))  # and training goes on the same
+
+
+def test_in_place_deltas_give_the_same_run_when_the_server_holds_every_reply(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """An omniscient attack (ALIE) holds a round's decoded replies until the last one."""
+    import client.app
+    from simulations.cli import run_simulation
+
+    evaluated: list[np.ndarray] = []
+    evaluate = ScenarioTask.evaluate
+
+    def keep(task: ScenarioTask, params: np.ndarray) -> dict[str, float]:
+        evaluated.append(params.copy())  # the server's model after each round
+        return evaluate(task, params)
+
+    monkeypatch.setattr(ScenarioTask, "evaluate", keep)
+    runs = []
+    for threshold in (1 << 62, 0):
+        monkeypatch.setattr(client.app, "IN_PLACE_MIN_DIM", threshold)
+        evaluated.clear()
+        config = load_scenario("default", ["federation.clients=5", "federation.rounds=2",
+                                           "attack.kind=alie", "attack.fraction=0.4"])
+        run_simulation(config, engine="inprocess", db=f"sqlite:///{tmp_path / f'{threshold}.db'}")
+        runs.append(list(evaluated))
+    assert len(runs[1]) == 3  # the initial model and two rounds
+    assert not np.array_equal(runs[1][0], runs[1][-1])
+    for before, after in zip(*runs, strict=True):
+        np.testing.assert_array_equal(before, after)
