@@ -113,6 +113,14 @@ class _Worker:
             self.lent = False
         return self.model
 
+    def train_one(self, x: torch.Tensor, y: torch.Tensor, seed: int,
+                  global_params: list[torch.Tensor] | None = None) -> float:
+        """Train the model in place on one client's data, as every client is trained (the
+        worker's optimizer, reset); the mean training loss."""
+        return train(self.model.module, x, y, self.task.train_config, seed=seed,
+                     global_params=global_params, optimizer=self.local_optimizer(),
+                     batch_norm=self.batch_norm)
+
     def local_optimizer(self) -> torch.optim.Optimizer:
         """The worker's optimizer over its model (``train`` resets it for each client)."""
         if self.optimizer is None:
@@ -261,9 +269,7 @@ class FedringClient:
                 loss, values["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
                                                               worker.task.train_config)
             else:
-                loss = train(model.module, x, y, worker.task.train_config, seed=seed,
-                             global_params=global_params, optimizer=worker.local_optimizer(),
-                             batch_norm=worker.batch_norm)
+                loss = worker.train_one(x, y, seed, global_params)
             values["train_loss"] = loss
         model.to_host()  # the one copy back to the host (none on the CPU)
         local_state.keep(context.state, model, fedbn)

@@ -50,13 +50,11 @@ def build_task(config: Mapping[str, Any]) -> Any:
 
 
 def cohort_hook(vectorize: Any) -> Any:
-    """The in-process engine's cohort hook for ``engine.vectorize`` (None when false)."""
-    if vectorize is False:
-        return None
+    """The in-process engine's cohort hook for ``engine.vectorize`` (``client.vectorized``)."""
     from client.app import FedringClient
-    from client.vectorized import VectorizedCohorts
+    from client.vectorized import CohortHook
 
-    return VectorizedCohorts(FedringClient(make_task, spec_from_run_config), vectorize)
+    return CohortHook(FedringClient(make_task, spec_from_run_config), vectorize)
 
 
 server_app = make_server_app(build_task, config_from_run_config, observe=open_tracking,

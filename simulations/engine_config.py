@@ -9,9 +9,10 @@ others); empty starts a Ray instance for the run on this machine, or joins the o
 
 The in-process engine: ``vectorize`` trains a round's clients as one batched computation
 (``client.cohort``) when they share the model and optimizer: ``false`` (the default: one
-client after the other), ``"auto"`` (cohorts of two or more clients that can be
-vectorized and whose stacked parameters fit one batch, ``client.vectorized.STACK_BUDGET``;
-the others go one by one, with one log line per reason) or ``true`` (every cohort that
+client after the other, small models back to back, ``client.vectorized``), ``"auto"``
+(cohorts of two or more clients that can be vectorized and whose stacked parameters fit
+one batch, ``client.vectorized.STACK_BUDGET``; the others as with ``false``, with one log
+line per reason) or ``true`` (every cohort that
 can be, in batches that fit, with a warning per reason when one cannot).
 """
 

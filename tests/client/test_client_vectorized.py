@@ -1,11 +1,13 @@
-"""Vectorized cohorts (client.cohort, client.vectorized): one batched computation gives
-what training the clients one after the other gives, and what cannot be batched falls
-back with a log line."""
+"""The in-process engine's cohorts (client.cohort, client.vectorized): one batched
+computation gives what training the clients one after the other gives, and what cannot be
+batched falls back with a log line; trained back to back, a cohort gives exactly what the
+ClientApp gives training each client as its message comes."""
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,12 +73,12 @@ SCENARIO = ["federation.clients=4", "train.local_epochs=2", "data.partitioner=ii
             "train.momentum=0.9", "train.batch_size=16"]
 
 
-def _round(extra: list[str], vectorize: object) -> tuple[list[np.ndarray], object]:
+def _round(extra: list[str], vectorize: object) -> tuple[list[np.ndarray], Any]:
     config = load_scenario("default", [*SCENARIO, *extra])
     task = ScenarioTask.from_config(config)
     params, layout = task.initial_params()
     spec = json.dumps(task.task_spec(), sort_keys=True)
-    hook = cohort_hook(vectorize)
+    hook = cohort_hook(vectorize) if vectorize is not None else None  # None: no hook at all
     grid = InProcessGrid(client_app, 4, cohort_hook=hook)
     content = RecordDict({"arrays": model_record(layout, params),
                           "config": train_config(1, 1, spec, 0)})
@@ -94,7 +96,7 @@ def _round(extra: list[str], vectorize: object) -> tuple[list[np.ndarray], objec
                                    ["attack.fraction=0.5", "attack.kind=\"sign_flip\""]],
                          ids=["momentum", "adam", "attack"])
 def test_vectorized_replies_match_sequential_ones(extra: list[str]) -> None:
-    sequential, _ = _round(extra, False)
+    sequential, _ = _round(extra, None)
     vectorized, hook = _round(extra, True)
     assert hook.trained == 4
     for a, b in zip(sequential, vectorized, strict=True):
@@ -112,19 +114,20 @@ def test_local_dp_noise_still_applies_per_client() -> None:
 
 
 def test_an_unsupported_cohort_falls_back_with_one_log_line(caplog) -> None:
-    sequential, _ = _round(["train.proximal_mu=0.1"], False)
+    sequential, _ = _round(["train.proximal_mu=0.1"], None)
     with caplog.at_level(logging.INFO, logger="fedring"):
         fallback, hook = _round(["train.proximal_mu=0.1"], True)
-    assert hook.trained == 0
+        _, quiet = _round(["train.proximal_mu=0.1"], False)
+    assert hook.trained == hook.back_to_back == quiet.back_to_back == 0
     lines = [r.getMessage() for r in caplog.records if "one by one" in r.getMessage()]
-    assert len(lines) == 1 and "FedProx" in lines[0]
+    assert len(lines) == 1 and "FedProx" in lines[0]  # none from `false`: nothing was asked
     for a, b in zip(sequential, fallback, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_auto_leaves_a_single_client_to_the_client_app() -> None:
-    hook = cohort_hook("auto")
-    assert hook is not None and cohort_hook(False) is None
+@pytest.mark.parametrize("mode", ["auto", False])
+def test_a_single_client_is_left_to_the_client_app(mode: object) -> None:
+    hook = cohort_hook(mode)
     config = load_scenario("default", SCENARIO)
     task = ScenarioTask.from_config(config)
     params, layout = task.initial_params()
@@ -134,7 +137,7 @@ def test_auto_leaves_a_single_client_to_the_client_app() -> None:
                                                                   sort_keys=True), 0)})
     [msg_id] = grid.push_messages([Message(content, 2, "train", group_id="1")])
     [reply] = grid.pull_messages([msg_id])
-    assert not reply.has_error() and hook.trained == 0
+    assert not reply.has_error() and hook.trained == hook.back_to_back == 0
 
 
 @pytest.mark.parametrize("value", ["\"yes\"", "1"])
@@ -145,14 +148,14 @@ def test_a_bad_vectorize_value_names_the_key(value: str) -> None:
 
 def test_a_cohort_over_the_stack_budget_trains_batch_by_batch_as_replies_are_taken() -> None:
     from client.app import FedringClient
-    from client.vectorized import VectorizedCohorts
+    from client.vectorized import CohortHook
     from simulations.apps import spec_from_run_config
 
-    sequential, _ = _round([], False)
+    sequential, _ = _round([], None)
     config = load_scenario("default", SCENARIO)
     task = ScenarioTask.from_config(config)
     params, layout = task.initial_params()
-    hook = VectorizedCohorts(FedringClient(ScenarioTask, spec_from_run_config), True,
+    hook = CohortHook(FedringClient(ScenarioTask, spec_from_run_config), True,
                              stack_budget=2 * 4 * layout.dim)  # two clients per batch
     grid = InProcessGrid(client_app, 4, cohort_hook=hook)
     content = RecordDict({"arrays": model_record(layout, params),
@@ -168,15 +171,15 @@ def test_a_cohort_over_the_stack_budget_trains_batch_by_batch_as_replies_are_tak
     assert trained == [2, 2, 4, 4]
 
 
-def test_auto_leaves_a_cohort_too_large_for_one_batch_to_the_client_app(caplog) -> None:
+def test_auto_trains_a_cohort_too_large_for_one_batch_back_to_back(caplog) -> None:
     from client.app import FedringClient
-    from client.vectorized import VectorizedCohorts
+    from client.vectorized import CohortHook
     from simulations.apps import spec_from_run_config
 
     config = load_scenario("default", SCENARIO)
     task = ScenarioTask.from_config(config)
     params, layout = task.initial_params()
-    hook = VectorizedCohorts(FedringClient(ScenarioTask, spec_from_run_config), "auto",
+    hook = CohortHook(FedringClient(ScenarioTask, spec_from_run_config), "auto",
                              stack_budget=2 * 4 * layout.dim)
     grid = InProcessGrid(client_app, 4, cohort_hook=hook)
     content = RecordDict({"arrays": model_record(layout, params),
@@ -185,5 +188,33 @@ def test_auto_leaves_a_cohort_too_large_for_one_batch_to_the_client_app(caplog) 
     ids = grid.push_messages([Message(content, n, "train", group_id="1") for n in (1, 2, 3, 4)])
     with caplog.at_level(logging.INFO, logger="fedring"):
         replies = list(grid.pull_messages(ids))
-    assert len(replies) == 4 and hook.trained == 0
+    assert len(replies) == 4 and hook.trained == 0 and hook.back_to_back == 4
     assert any("do not fit one batch" in r.getMessage() for r in caplog.records)
+    sequential, _ = _round([], None)
+    for reply, expected in zip(replies, sequential, strict=True):
+        np.testing.assert_array_equal(expected, decode_train_reply(
+            reply, client_id="c", layout=layout, base_params=params, version=1).delta)
+
+
+@pytest.mark.parametrize("extra", [[], ["train.optimizer=\"adam\"", "train.lr=0.01"],
+                                   ["attack.fraction=0.5", "attack.kind=\"label_flip\""],
+                                   ["dp.mode=\"local\"", "dp.clip=0.5", "dp.noise_multiplier=0"]],
+                         ids=["momentum", "adam", "label-flip", "local-dp-clip"])
+def test_back_to_back_replies_are_the_client_apps_own_to_the_bit(extra: list[str]) -> None:
+    one_by_one, _ = _round(extra, None)
+    back_to_back, hook = _round(extra, False)
+    assert hook.back_to_back == 4 and hook.trained == 0
+    for a, b in zip(one_by_one, back_to_back, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len({a.tobytes() for a in one_by_one}) == 4  # four clients, four deltas
+
+
+def test_a_large_model_is_not_trained_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import client.vectorized
+
+    monkeypatch.setattr(client.vectorized, "IN_PLACE_MIN_DIM", 100)  # the test MLP: larger
+    one_by_one, _ = _round([], None)
+    replies, hook = _round([], False)
+    assert hook.back_to_back == 0
+    for a, b in zip(one_by_one, replies, strict=True):
+        np.testing.assert_array_equal(a, b)
