@@ -11,6 +11,7 @@ client's training took 0.32 ms between messages and 0.20 ms back to back. Each r
 waits on its worker under the message's id, and the ClientApp, when it handles that
 message, takes it instead of training again. Everything after training (local DP,
 simulated attacks, compression, secure masking, the reply) runs per client as before.
+Back to back takes the cohorts vectorizing could take (``client.cohort.unsupported``).
 A cohort that can be neither is left to the ClientApp; one that cannot be vectorized
 when asked to be says why in one log line per reason. Models of ``IN_PLACE_MIN_DIM``
 parameters or more train one by one when not vectorized: their training dwarfs the
