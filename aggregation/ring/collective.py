@@ -78,10 +78,10 @@ def allreduce(
     segment_bytes: transfers are cut into segments of about this size and
       pipelined, up to ``window`` segments in flight; ``None`` sends whole
       chunks, one ring step after another (the textbook, unpipelined form).
-      On gloo the schedules other than the pipelined ring also keep segments and
-      window within ``aggregation.ring.exchange.IN_FLIGHT_BYTES`` per peer (3/4
-      of the kernel's largest TCP send buffer), so that each send is written by
-      the thread that posts it. Ignored on NCCL, which moves whole chunks in
+      On gloo the schedules other than the pipelined ring cut segments to
+      ``aggregation.ring.exchange.SEGMENT_CAP_BYTES`` (the kernel's largest TCP
+      send buffer), with as many more in flight, so that a send fits the socket
+      of the thread that posts it. Ignored on NCCL, which moves whole chunks in
       grouped send/receive pairs.
 
     CUDA tensors use NCCL when the group has it; on a gloo-only group they are

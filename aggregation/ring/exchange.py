@@ -15,24 +15,27 @@ _CACHE_LIMIT_BYTES = 64 << 20
 _pool = threading.local()
 
 
-def _in_flight_bytes() -> int:
-    """How many bytes a rank keeps in flight to one peer over gloo's TCP transport: 3/4 of
-    the largest send buffer the kernel auto-tunes a TCP socket to (``net.ipv4.tcp_wmem``),
-    4 MiB where that is unknown.
+def _segment_cap_bytes() -> int:
+    """The largest segment a rank sends over gloo's TCP transport: the largest send
+    buffer the kernel auto-tunes a TCP socket to (``net.ipv4.tcp_wmem``), 4 MiB where
+    that is unknown.
 
     A gloo send is written by the thread that posts it only while it fits the socket's
     send buffer; the rest is left to gloo's one event-loop thread, which also reads
-    everything that arrives, so reading and writing no longer overlap.
+    everything that arrives. Segments of that size, several in flight, measured best
+    here: halving_doubling over native gloo at n = 2, 16 / 64 MiB, was 0.65-0.67 with
+    3 MiB in flight at a time, 0.94-0.96 in 1 MiB segments 16 or 32 deep, and 0.98-1.05
+    in 4 MiB segments 8 or 16 deep (one paired run of 21 iterations).
     """
     try:
         with open("/proc/sys/net/ipv4/tcp_wmem") as f:
             largest = int(f.read().split()[2])
     except (OSError, ValueError, IndexError):
         largest = 4 << 20
-    return max(64 << 10, largest * 3 // 4)
+    return max(64 << 10, largest)
 
 
-IN_FLIGHT_BYTES = _in_flight_bytes()
+SEGMENT_CAP_BYTES = _segment_cap_bytes()
 
 
 class Scratch:
@@ -78,8 +81,9 @@ def exchange(
 ) -> None:
     """Send ``send`` to ``send_peer`` and receive ``dst`` from ``recv_peer``, segment by segment.
 
-    On gloo the segments and the window are capped so that no more than
-    ``IN_FLIGHT_BYTES`` go to the peer at a time.
+    On gloo a segment is at most ``SEGMENT_CAP_BYTES``; a longer one is cut into that
+    many more pieces, as many more of them in flight, so the bytes in flight stay
+    ``segment * window``.
 
     With ``base`` the received values are added to it: ``dst = base + received``
     (``base`` may be ``dst`` or ``send``; a segment is only overwritten after its
@@ -87,10 +91,11 @@ def exchange(
     ``window`` segments are in flight, so the add of one overlaps the transfer of
     the next. Returns when every send and receive has completed.
     """
-    if segment is not None and not ch.coalesce:  # gloo: see IN_FLIGHT_BYTES
-        cap = max(1, IN_FLIGHT_BYTES // (send if send is not None else dst).element_size())
-        segment = min(segment, cap)
-        window = max(1, min(window, cap // segment))
+    if segment is not None and not ch.coalesce:  # gloo: see SEGMENT_CAP_BYTES
+        cap = max(1, SEGMENT_CAP_BYTES // (send if send is not None else dst).element_size())
+        if segment > cap:
+            window *= -(-segment // cap)  # the same bytes in flight, in smaller pieces
+            segment = cap
     send_spans = segment_spans((0, send.numel()), segment) if send is not None else []
     recv_spans = segment_spans((0, dst.numel()), segment) if dst is not None else []
     count = max(len(send_spans), len(recv_spans))

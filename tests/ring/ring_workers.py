@@ -16,10 +16,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+import aggregation.ring.exchange as exchange_module
 from aggregation.ring import RingError, RingTimeout, allreduce, exchange, weighted_mean
 from aggregation.ring.alltoall import all_to_all
 from aggregation.ring.channel import Channel, Pending
-from aggregation.ring.exchange import IN_FLIGHT_BYTES
 from aggregation.ring.halving import halving_doubling
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.ring import ring_stepwise
@@ -454,26 +454,32 @@ def family(rank: int, n: int) -> dict[str, object]:
                     fails[alg].append(f"masked {name}/L={length}: {int((got != expected).sum())} "
                                       "elements differ from the plain sum mod 2^32")
     sent = {alg: _elements_sent(alg) for alg in FAMILY}
-    in_flight = {alg: _largest_in_flight(alg) for alg in (*FAMILY, "tree", "master")}
-    return {"fails": fails, "digests": digests, "sent": sent, "in_flight": in_flight}
+    segments = {alg: _segments(alg) for alg in (*FAMILY, "tree", "master")}
+    return {"fails": fails, "digests": digests, "sent": sent, "segments": segments}
 
 
-def _largest_in_flight(alg: str) -> int:
-    """The most bytes this rank had posted to one peer and not yet waited for, in one
-    allreduce of 2 * IN_FLIGHT_BYTES of float32 with the default segments and window."""
+SEGMENT_CAP = 1 << 16  # bytes: the cap _segments puts in place of the socket's
+
+
+def _segments(alg: str) -> tuple[int, int]:
+    """(largest message, most bytes posted to one peer and not yet waited for) of this
+    rank in one allreduce of 16 * SEGMENT_CAP bytes of float32 asked for in segments of
+    4 * SEGMENT_CAP, 2 in flight, with the gloo segment cap set to SEGMENT_CAP."""
     outstanding: dict[int, int] = {}
     per_pending: dict[int, list[tuple[int, int]]] = {}
-    largest = 0
+    largest = biggest = 0
     post, wait = Channel.post, Channel.wait
+    cap = exchange_module.SEGMENT_CAP_BYTES
 
     def counting_post(self: Channel, step: str, sends: Sequence = (), recvs: Sequence = (),
                       **kw: object) -> Pending:
-        nonlocal largest
+        nonlocal largest, biggest
         pending = post(self, step, sends, recvs, **kw)
         per_pending[id(pending)] = [(p, t.numel() * t.element_size()) for t, p in sends]
         for p, nbytes in per_pending[id(pending)]:
             outstanding[p] = outstanding.get(p, 0) + nbytes
             largest = max(largest, outstanding[p])
+            biggest = max(biggest, nbytes)
         return pending
 
     def counting_wait(self: Channel, pending: Pending) -> None:
@@ -482,11 +488,14 @@ def _largest_in_flight(alg: str) -> int:
             outstanding[p] -= nbytes
 
     Channel.post, Channel.wait = counting_post, counting_wait  # type: ignore[method-assign]
+    exchange_module.SEGMENT_CAP_BYTES = SEGMENT_CAP
     try:
-        allreduce(torch.ones(2 * IN_FLIGHT_BYTES // 4), algorithm=alg)
+        allreduce(torch.ones(16 * SEGMENT_CAP // 4), algorithm=alg,
+                  segment_bytes=4 * SEGMENT_CAP, window=2)
     finally:
         Channel.post, Channel.wait = post, wait  # type: ignore[method-assign]
-    return largest
+        exchange_module.SEGMENT_CAP_BYTES = cap
+    return biggest, largest
 
 
 def _elements_sent(alg: str, length: int = 840 * 7) -> int:

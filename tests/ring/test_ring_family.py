@@ -11,8 +11,6 @@ import pytest
 import ring_workers
 from ring_launch import launch
 
-from aggregation.ring.exchange import IN_FLIGHT_BYTES
-
 pytestmark = pytest.mark.slow
 
 
@@ -50,11 +48,15 @@ def test_each_rank_sends_what_the_algorithm_promises(report: dict) -> None:
     assert [s["halving_doubling"] for s in sent] == halving + [length] * (n - p)
 
 
-def test_no_more_than_the_in_flight_budget_goes_to_one_peer_at_a_time(report: dict) -> None:
+def test_gloo_segments_fit_the_socket_and_keep_the_bytes_in_flight(report: dict) -> None:
     """A gloo send larger than the socket's send buffer is left to gloo's event loop, the
-    thread that also reads; the schedules built on exchange() keep below it."""
+    thread that also reads; the schedules built on exchange() cut segments to the cap and
+    put as many more in flight (segments of 4 caps, 2 in flight: 8 caps of 1 cap each)."""
+    cap = ring_workers.SEGMENT_CAP
     for out in report["ranks"]:
-        for alg, largest in out["in_flight"].items():
-            assert largest <= IN_FLIGHT_BYTES, (alg, largest)
+        for alg, (biggest, in_flight) in out["segments"].items():
+            assert biggest <= cap and in_flight <= 8 * cap, (alg, biggest, in_flight)
             if report["n"] > 1 and alg != "all_to_all":  # its pieces are S / n
-                assert largest >= IN_FLIGHT_BYTES // 2, (alg, largest)  # not needlessly small
+                assert biggest == cap, (alg, biggest)  # not needlessly small
+        if report["n"] > 1:  # tree sends the whole vector, 16 caps, to one peer a step
+            assert out["segments"]["tree"][1] == 8 * cap, out["segments"]["tree"]
