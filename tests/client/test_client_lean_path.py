@@ -58,15 +58,27 @@ TASK = ScenarioTask.from_config(CONFIG)
 TASK_JSON = json.dumps(TASK.task_spec(), sort_keys=True)
 
 
-def _send(record, node: int, rnd: int) -> np.ndarray:
-    grid = InProcessGrid(client_app, 3)
-    content = RecordDict({"arrays": record, "config": train_config(rnd, rnd, TASK_JSON, 0)})
-    [msg_id] = grid.push_messages([Message(content, node, "train", group_id=str(rnd))])
+def _grid_call(grid: InProcessGrid, content: RecordDict, node: int, kind: str) -> Message:
+    [msg_id] = grid.push_messages([Message(content, node, kind, group_id="1")])
     [reply] = grid.pull_messages([msg_id])
     assert not reply.has_error(), reply.error
+    return reply
+
+
+def _train(grid: InProcessGrid, node: int, rnd: int = 1, record=None) -> np.ndarray:
+    """The delta of ``node``'s reply to a train message carrying ``record`` (by default the
+    initial model): a view of the reply's own buffer (nothing copied)."""
     params, layout = TASK.initial_params()
+    record = model_record(layout, params) if record is None else record
+    content = RecordDict({"arrays": record, "config": train_config(rnd, rnd, TASK_JSON, 0)})
+    reply = _grid_call(grid, content, node, "train")
     return decode_train_reply(reply, client_id=str(node), layout=layout, base_params=params,
-                              version=rnd).delta.copy()
+                              version=rnd).delta
+
+
+def _send(record, node: int, rnd: int) -> np.ndarray:
+    """``_train`` on a fresh engine, the delta copied out of its reply."""
+    return _train(InProcessGrid(client_app, 3), node, rnd, record).copy()
 
 
 def test_deltas_are_against_the_model_each_message_carries() -> None:
@@ -122,23 +134,6 @@ def test_a_message_still_runs_when_the_worker_model_was_left_in_eval_mode() -> N
 
 
 # ---- a large model trains in its reply's buffer and makes its delta there in place
-
-
-def _grid_call(grid: InProcessGrid, content: RecordDict, node: int, kind: str) -> Message:
-    [msg_id] = grid.push_messages([Message(content, node, kind, group_id="1")])
-    [reply] = grid.pull_messages([msg_id])
-    assert not reply.has_error(), reply.error
-    return reply
-
-
-def _train(grid: InProcessGrid, node: int, rnd: int = 1) -> np.ndarray:
-    """The delta of ``node``'s reply: a view of the reply's own buffer (nothing copied)."""
-    params, layout = TASK.initial_params()
-    content = RecordDict({"arrays": model_record(layout, params),
-                          "config": train_config(rnd, rnd, TASK_JSON, 0)})
-    reply = _grid_call(grid, content, node, "train")
-    return decode_train_reply(reply, client_id=str(node), layout=layout, base_params=params,
-                              version=rnd).delta
 
 
 @pytest.fixture
