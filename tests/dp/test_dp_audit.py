@@ -54,7 +54,7 @@ def test_canaries_are_unit_directions_from_os_entropy():
     np.testing.assert_array_equal(rows, random_canaries(200, 3000, a))  # resumable
     # independent uniform directions: pairwise cosines ~ N(0, 1/d)
     off = (rows @ rows.T)[np.triu_indices(200, 1)]
-    assert abs(off.mean()) < 4 / math.sqrt(3000 * off.size)
+    assert abs(off.mean()) < 6 / math.sqrt(3000 * off.size)  # fresh entropy: 6 errors
     assert off.std() == pytest.approx(1 / math.sqrt(3000), rel=0.05)
     assert not np.allclose(rows, random_canaries(200, 3000, b))
 
@@ -92,7 +92,7 @@ def test_audit_of_a_gaussian_mechanism_on_vectors():
     released = clip * rows.sum(axis=0) + np.random.default_rng().normal(0, sigma, d)
     est = audit_epsilon(released, rows, 1e-5)
     expected = clip / math.sqrt(sigma**2 + k * clip**2 / d)
-    assert est.mu == pytest.approx(expected, abs=5 * math.sqrt((1 + expected**2 / 2) / k))
+    assert est.mu == pytest.approx(expected, abs=6 * math.sqrt((1 + expected**2 / 2) / k))
     assert est.null_std == pytest.approx(1 / math.sqrt(d), rel=0.25)
     assert cosines(np.zeros(d), rows).tolist() == [0.0] * k
 

@@ -103,7 +103,7 @@ def test_secure_sum_has_the_target_noise_and_never_wraps(mechanism):
     assert plan.sum_noise_std == pytest.approx(Z * CLIP * plan.norm_inflation, rel=1e-9)
     residual = out.weighted_sum - N * clipped(same)
     assert residual.std() == pytest.approx(Z * CLIP, rel=0.03)  # 20000 values: ~0.5 % error
-    assert abs(residual.mean()) < 5 * Z * CLIP / math.sqrt(DIM)
+    assert abs(residual.mean()) < 6 * Z * CLIP / math.sqrt(DIM)  # fresh noise: 6 errors
     assert out.noise_multiplier == pytest.approx(plan.effective_noise_multiplier)
     # Every client got the same round plan; the exact integer sum of what they masked never
     # leaves the signed range of [secagg] bits, and the secure sum decodes exactly to it.
@@ -231,6 +231,6 @@ def test_central_dp_with_secagg_clips_on_the_client_and_noises_the_sum(run_inpro
     assert summary["status"] == "completed" and summary["dp_mode"] == "central"
     change = models[1].astype(np.float64) - models[0]
     residual = change - clipped(big) / 4  # the client clipped to 0.5; mean over 4 clients
-    assert residual.std() == pytest.approx(0.5 * 0.5 / 4, rel=0.05)  # z * C / clients
+    assert residual.std() == pytest.approx(0.5 * 0.5 / 4, rel=0.065)  # z C / clients, 6 errors
     [row] = store.privacy_ledger(summary["run_id"])
     assert row["mode"] == "central" and row["epsilon"] == pytest.approx(summary["epsilon"])
