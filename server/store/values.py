@@ -31,6 +31,9 @@ _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 def check_int(value: Any, what: str, *, minimum: int | None = None, nullable: bool = False,
               bits: int = 64) -> Any:
     """``value`` as a Python int that fits a signed ``bits``-bit column (None if nullable)."""
+    if type(value) is int and (minimum is None or value >= minimum) \
+            and -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+        return value  # the common case, without the checks below
     if value is None and nullable:
         return None
     if isinstance(value, bool | np.bool_):
@@ -50,6 +53,8 @@ def float_column(value: Any, what: str) -> float | None:
     """A nullable Float column: NaN is stored as NULL (see the module docstring)."""
     if value is None:
         return None
+    if type(value) is float:  # the common case, without the abstract class's check
+        return None if value != value else value
     if not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a number, got {type(value).__name__}")
     out = float(value)
@@ -112,7 +117,7 @@ def metrics_to_json(metrics: Mapping[str, Any] | None, where: str) -> dict[str, 
     for key, value in metrics.items():
         if not isinstance(key, str):
             raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}; must be str")
-        if not isinstance(value, numbers.Real):
+        if type(value) is not float and not isinstance(value, numbers.Real):
             raise ValueError(
                 f"{where}[{key!r}] is {value!r:.60} ({type(value).__name__}); "
                 "metrics must be numbers"

@@ -16,7 +16,13 @@ def _sqlite_path(url: str) -> str:
     return url.removeprefix("sqlite:///")
 
 
-def test_background_save_snapshots_params_and_state(open_store, monkeypatch):
+@pytest.fixture
+def background_always(monkeypatch):
+    """Every checkpoint goes to the writer thread, however small."""
+    monkeypatch.setattr(repository, "BACKGROUND_MIN_BYTES", 0)
+
+
+def test_background_save_snapshots_params_and_state(open_store, monkeypatch, background_always):
     store = open_store()
     run_id = store.create_run(config={}, seed=0)
     params = np.arange(1000, dtype=np.float32)
@@ -42,7 +48,7 @@ def test_background_save_snapshots_params_and_state(open_store, monkeypatch):
     assert ckpt.state["step"] == 4
 
 
-def test_background_save_keeps_the_newest_two(open_store):
+def test_background_save_keeps_the_newest_two(open_store, background_always):
     store = open_store()
     run_id = store.create_run(config={}, seed=0)
     for rnd in range(1, 5):
@@ -74,7 +80,7 @@ def test_write_happens_off_the_callers_thread_and_before_the_next_round(tmp_path
         assert ckpt is not None and ckpt.round == 1 and ckpt.params.size == 4_000_000
 
 
-def test_a_failed_background_write_raises_at_flush_once(open_store):
+def test_a_failed_background_write_raises_at_flush_once(open_store, background_always):
     store = open_store()
     store.save_checkpoint_in_background("r-missing", round=1, model_version=1,
                                         params=np.ones(3, np.float32), state={})
@@ -98,6 +104,23 @@ def test_bad_arguments_fail_in_the_caller(open_store):
     with pytest.raises(ValueError, match="round"):
         store.save_checkpoint_in_background(run_id, round=-1, model_version=1,
                                             params=np.ones(3, np.float32), state={})
+
+
+def test_small_checkpoints_are_written_at_once_and_large_ones_in_the_background(tmp_path):
+    url = f"sqlite:///{tmp_path / 'size.db'}"
+    small = np.ones(repository.BACKGROUND_MIN_BYTES // 4 - 1, np.float32)
+    large = np.ones(repository.BACKGROUND_MIN_BYTES // 4, np.float32)
+    with Store(url) as store, Store(url) as reader:
+        run_id = store.create_run(config={}, seed=0)
+        store.save_checkpoint_in_background(run_id, round=1, model_version=1, params=small,
+                                            state={})
+        assert store._writer.in_flight is None
+        assert reader.load_checkpoint(run_id).params.size == small.size
+        store.save_checkpoint_in_background(run_id, round=2, model_version=2, params=large,
+                                            state={})
+        assert store._writer.in_flight is not None
+        store.flush()
+        assert reader.load_checkpoint(run_id).params.size == large.size
 
 
 def test_in_memory_store_saves_at_once():
