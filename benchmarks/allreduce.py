@@ -13,9 +13,9 @@ compared with native gloo iteration by iteration (median, quartiles and range of
 the paired ratios), and the load average is recorded around each world size. It
 reports algorithm bandwidth S/t and bus bandwidth 2(n-1)/n * S/t, the CPU seconds
 all ranks spent per allreduce, then fits an alpha-beta model per algorithm (alpha
-per message on the critical path, beta per byte, times a slow-down for the busy ranks
-sharing this machine's cores) to each cell's best time, reports how far each fitted
-model is from each measured cell (best and median), and extrapolates to 64..1024
+per message on the critical path, beta per byte, each times its own slow-down for the
+busy ranks sharing this machine's cores) to each cell's best time, reports how far
+each fitted model is from each measured cell (best and median), and extrapolates to 64..1024
 silos at 64 KiB..64 MiB: which algorithm wins each cell and by how much (``--plot
 PATH`` draws the predictions).
 
@@ -161,17 +161,26 @@ def sharing(n: int, cores: int | None, gamma: float) -> float:
     return 1.0 if cores is None else max(1.0, n / cores) ** gamma
 
 
+def design(algorithm: str, n: int, size: int, cores: int | None,
+           gammas: tuple[float, float]) -> tuple[float, float]:
+    """The model's two terms before alpha and beta: messages and bytes on the critical
+    path, each times its own slow-down for ranks sharing cores. A message waits for its
+    receiver to be scheduled, which grows faster with the ranks per core than the share of
+    CPU time that bounds the bytes, so latency and bandwidth each get an exponent."""
+    msgs, per_byte = cost_terms(algorithm, n)
+    busy = busy_ranks(algorithm, n)
+    return (msgs * sharing(busy, cores, gammas[0]),
+            per_byte * size * sharing(busy, cores, gammas[1]))
+
+
 def fit_alpha_beta(rows: list[dict[str, object]], algorithm: str, cores: int | None = None,
-                   gamma: float = 0.0) -> dict[str, float]:
-    """Least squares (on relative error) of t = sharing * (alpha * messages + beta * bytes),
-    alpha and beta >= 0, with ``sharing(busy_ranks, cores, gamma)`` the slow-down of ranks
-    sharing this machine's cores (``gamma = 0``: the plain alpha-beta model). ``t`` is each
-    cell's best time (``MODEL_TIME``): the model describes a machine of its own, not the
-    other load of a shared one."""
+                   gammas: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
+    """Least squares (on relative error) of t = alpha * messages * s_a + beta * bytes * s_b
+    (see ``design``; ``gammas = (0, 0)``: the plain alpha-beta model), alpha and beta >= 0.
+    ``t`` is each cell's best time (``MODEL_TIME``): the model describes a machine of its
+    own, not the other load of a shared one."""
     pts = [r for r in rows if r["algorithm"] == algorithm]
-    a = np.array([[cost_terms(algorithm, r["n"])[0], cost_terms(algorithm, r["n"])[1]
-                   * r["size_bytes"]] for r in pts], dtype=float)
-    a *= np.array([sharing(busy_ranks(algorithm, r["n"]), cores, gamma) for r in pts])[:, None]
+    a = np.array([design(algorithm, r["n"], r["size_bytes"], cores, gammas) for r in pts])
     t = np.array([r[MODEL_TIME] for r in pts], dtype=float)
     w = 1.0 / t
     coef, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
@@ -184,25 +193,28 @@ def fit_alpha_beta(rows: list[dict[str, object]], algorithm: str, cores: int | N
     return {"alpha_s": float(coef[0]), "beta_s_per_byte": float(coef[1]),
             "beta_GBps": (1 / coef[1] / 1e9) if coef[1] > 0 else None,
             "median_rel_error": float(np.median(rel)), "max_rel_error": float(rel.max()),
-            "sum_sq_rel_error": float((rel ** 2).sum()), "sharing_gamma": gamma}
+            "sum_sq_rel_error": float((rel ** 2).sum()),
+            "sharing_gamma_alpha": gammas[0], "sharing_gamma_beta": gammas[1]}
 
 
-def fit_sharing(rows: list[dict[str, object]], cores: int) -> float:
-    """The one ``gamma`` (0 to 2, steps of 0.05) for this machine that, with alpha and beta
-    fitted per algorithm, minimises the squared relative error over every measured cell."""
+def fit_sharing(rows: list[dict[str, object]], cores: int) -> tuple[float, float]:
+    """The one pair of exponents (each 0 to 2, steps of 0.1) for this machine that, with
+    alpha and beta fitted per algorithm, minimises the squared relative error over every
+    measured cell."""
     algorithms = sorted({r["algorithm"] for r in rows})
-    grid = [round(0.05 * k, 2) for k in range(41)]
-    return min(grid, key=lambda g: sum(fit_alpha_beta(rows, a, cores, g)["sum_sq_rel_error"]
-                                       for a in algorithms))
+    grid = [round(0.1 * k, 1) for k in range(21)]
+    return min(((ga, gb) for ga in grid for gb in grid),
+               key=lambda g: sum(fit_alpha_beta(rows, a, cores, g)["sum_sq_rel_error"]
+                                 for a in algorithms))
 
 
 def predict(model: dict[str, float], algorithm: str, n: int, size: int,
             cores: int | None = None) -> float:
     """Predicted time; ``cores``: ranks share that many cores (the measuring machine),
     ``None``: every rank has its own machine (silos)."""
-    msgs, per_byte = cost_terms(algorithm, n)
-    return sharing(busy_ranks(algorithm, n), cores, model["sharing_gamma"]) * (
-        model["alpha_s"] * msgs + model["beta_s_per_byte"] * per_byte * size)
+    msgs, per_byte = design(algorithm, n, size, cores,
+                            (model["sharing_gamma_alpha"], model["sharing_gamma_beta"]))
+    return model["alpha_s"] * msgs + model["beta_s_per_byte"] * per_byte
 
 
 def model_errors(rows: list[dict[str, object]], models: dict[str, dict[str, float]],
@@ -363,15 +375,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                                   "ring_inplace")}}
           for n in worlds for size in sizes]
     hd_targeted = [r for r in hd if r["n"] in HD_TARGET_N and r["size_bytes"] in HD_TARGET_BYTES]
-    gamma = fit_sharing(rows, cores)
-    models = {alg: fit_alpha_beta(rows, alg, cores, gamma) for alg in ALGORITHMS}
+    gammas = fit_sharing(rows, cores)
+    models = {alg: fit_alpha_beta(rows, alg, cores, gammas) for alg in ALGORITHMS}
     plain = {alg: fit_alpha_beta(rows, alg) for alg in ALGORITHMS}
     errors = model_errors(rows, models, cores)
     # The same model fitted to the medians instead, for comparison.
     medians = [dict(r, best_s=r["time_s"]) for r in rows]
-    gamma_median = fit_sharing(medians, cores)
+    gammas_median = fit_sharing(medians, cores)
     median_errors = model_errors(
-        medians, {a: fit_alpha_beta(medians, a, cores, gamma_median) for a in ALGORITHMS}, cores)
+        medians, {a: fit_alpha_beta(medians, a, cores, gammas_median) for a in ALGORITHMS}, cores)
     if args.plot:
         plot(models, args.plot)
     summary = {
@@ -415,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                                           for e in errors),
             "cells": len(errors),
             "fitted_to_medians": {
-                "sharing_gamma": gamma_median,
+                "sharing_gammas": list(gammas_median),
                 "cells_within": sum(abs(e["rel_error"]) <= MODEL_TARGET_REL_ERROR
                                     for e in median_errors)},
             "met_by_algorithm": {alg: _all_or_none(

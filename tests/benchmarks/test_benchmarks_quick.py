@@ -236,8 +236,10 @@ def test_allreduce_quick() -> None:
             model = result["alpha_beta"][err["algorithm"]]
             busy = 2 if err["algorithm"] == "master" else n
             per_byte = 2 * (n - 1) if err["algorithm"] == "master" else 2 * (n - 1) / n
-            expected = max(1.0, busy / cores) ** model["sharing_gamma"] * (
-                model["alpha_s"] * 2 * (n - 1) + model["beta_s_per_byte"] * per_byte * size)
+            slow = max(1.0, busy / cores)  # latency and bandwidth: each its own exponent
+            expected = (model["alpha_s"] * 2 * (n - 1) * slow ** model["sharing_gamma_alpha"]
+                        + model["beta_s_per_byte"] * per_byte * size
+                        * slow ** model["sharing_gamma_beta"])
             assert err["predicted_s"] == pytest.approx(expected, rel=1e-3, abs=1e-9)
     for err in result["model_errors"]:
         assert err["rel_error"] == pytest.approx(err["predicted_s"] / err["measured_s"] - 1,
