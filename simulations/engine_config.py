@@ -12,8 +12,8 @@ The in-process engine: ``vectorize`` trains a round's clients as one batched com
 client after the other, small models back to back, ``client.vectorized``), ``"auto"``
 (cohorts of two or more clients that can be vectorized and whose stacked parameters fit
 one batch, ``client.vectorized.STACK_BUDGET``; the others as with ``false``, with one log
-line per reason) or ``true`` (every cohort that
-can be, in batches that fit, with a warning per reason when one cannot).
+line per reason) or ``true`` (every cohort that can be, in batches that fit, with a
+warning per reason when one cannot).
 """
 
 from __future__ import annotations

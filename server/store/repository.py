@@ -69,8 +69,8 @@ _INSERT_ROUND = RoundRow.__table__.insert()
 _INSERT_UPDATES = UpdateRow.__table__.insert()
 _RUN_EXISTS = select(RunRow.__table__.c.run_id).where(
     RunRow.__table__.c.run_id == bindparam("run_id"))
-_INSERT_CHECKPOINT = CheckpointRow.__table__.insert()
 _checkpoints = CheckpointRow.__table__
+_INSERT_CHECKPOINT = _checkpoints.insert()
 _PRUNE_CHECKPOINTS = _checkpoints.delete().where(  # all but the run's ``keep`` newest
     _checkpoints.c.run_id == bindparam("run_id"),
     _checkpoints.c.id.not_in(

@@ -31,8 +31,8 @@ _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 def check_int(value: Any, what: str, *, minimum: int | None = None, nullable: bool = False,
               bits: int = 64) -> Any:
     """``value`` as a Python int that fits a signed ``bits``-bit column (None if nullable)."""
-    if type(value) is int and (minimum is None or value >= minimum) \
-            and -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+    half = 1 << (bits - 1)  # the column holds -half .. half - 1
+    if type(value) is int and (minimum is None or value >= minimum) and -half <= value < half:
         return value  # the common case, without the checks below
     if value is None and nullable:
         return None
@@ -44,7 +44,7 @@ def check_int(value: Any, what: str, *, minimum: int | None = None, nullable: bo
         raise TypeError(f"{what} must be an integer, got {type(value).__name__}") from None
     if minimum is not None and out < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {out}")
-    if not -(2 ** (bits - 1)) <= out < 2 ** (bits - 1):
+    if not -half <= out < half:
         raise ValueError(f"{what} {out} does not fit in {bits} bits")
     return out
 
