@@ -9,6 +9,8 @@ import torch
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from client import optim_step
+
 OPTIMIZERS = ("sgd", "adam")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -197,14 +199,14 @@ def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
             if min(cfg.batch_size, n - start) < smallest:  # the batch's size
                 continue
             idx = order[start:start + cfg.batch_size]
-            opt.zero_grad(set_to_none=True)
+            optim_step.zero_grad(opt)
             loss = F.cross_entropy(module(x[idx]), y[idx])
             if cfg.proximal_mu > 0:
                 prox = sum(torch.sum((p - g) ** 2) for p, g in zip(params, global_params,
                                                                     strict=True))
                 loss = loss + 0.5 * cfg.proximal_mu * prox
             loss.backward()
-            opt.step()
+            optim_step.step(opt)
             total += loss.item()
             steps += 1
     return total / max(steps, 1)
