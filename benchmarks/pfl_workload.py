@@ -11,6 +11,11 @@ rounds (the first round of a run is dropped), evaluation included:
   round, the weighted delta accumulated in place into one running sum; then the FedAvg
   step and the central evaluation. Same seeds and batches as fedring, so both must end
   with the same model (the largest difference is reported as a check).
+- bare_unwrapped_step: the same loop stepping its optimizer through
+  ``client.optim_step``, as fedring's local training does (torch's SGD step without
+  ``Optimizer.step``'s per-call wrapper, bit for bit the same model): how much of
+  fedring's lead comes from that step alone. ``fedring_to_bare_unwrapped_step`` is
+  fedring's ratio to it.
 - fedring: ``run_simulation`` on the in-process engine with the scenario's defaults
   (SQLite store, a checkpoint every round), timed from one ``round_finished`` to the next;
   ``fedring_vectorized`` is the same with ``[engine] vectorize = true``.
@@ -89,7 +94,7 @@ class Clock:
 class PflStyleBare:
     """The bare loop as pfl's benchmark writes it (see the module docstring)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], *, unwrapped_step: bool = False) -> None:
         import torch
 
         from client.app import training_seed
@@ -104,6 +109,7 @@ class PflStyleBare:
         self.acc = torch.empty_like(self.flat)
         cfg = self.task.train_config
         self.opt = torch.optim.SGD(self.model.module.parameters(), lr=cfg.lr)
+        self.unwrapped_step = unwrapped_step
         self.data = [self.task.partition(pid) for pid in range(self.task.clients)]
         ds = self.task.dataset
         self.test = (torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
@@ -112,9 +118,11 @@ class PflStyleBare:
         """Wall and CPU seconds of each round, central evaluation included."""
         from torch.nn import functional as F
 
+        from client import optim_step
         from client.training import evaluate
 
         torch, module, opt = self._torch, self.model.module, self.opt
+        unwrapped = self.unwrapped_step
         batch = self.task.train_config.batch_size
         clock = Clock()
         clock.mark()
@@ -128,9 +136,15 @@ class PflStyleBare:
                 order = torch.randperm(len(x), generator=gen)
                 for start in range(0, len(x), batch):
                     idx = order[start:start + batch]
-                    opt.zero_grad(set_to_none=True)
+                    if unwrapped:
+                        optim_step.zero_grad(opt)
+                    else:
+                        opt.zero_grad(set_to_none=True)
                     F.cross_entropy(module(x[idx]), y[idx]).backward()
-                    opt.step()
+                    if unwrapped:
+                        optim_step.step(opt)
+                    else:
+                        opt.step()
                 with torch.no_grad():
                     self.flat.sub_(self.global_w)  # the delta, in place
                     self.acc.add_(self.flat, alpha=float(len(x)))
@@ -231,6 +245,7 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
         else None
     per_rep: list[dict[str, float]] = []
     diffs: list[float] = []
+    step_diffs: list[float] = []  # the unwrapped step's model against the bare loop's: 0
     with tempfile.TemporaryDirectory() as folder:
         workload = os.path.join(folder, "workload.npz")
         if pfl_python:
@@ -244,6 +259,10 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
 
             bare = PflStyleBare(config)
             put("bare", bare.run(rounds))
+            unwrapped = PflStyleBare(config, unwrapped_step=True)
+            put("bare_unwrapped_step", unwrapped.run(rounds))
+            step_diffs.append(float(np.abs(unwrapped.global_w.numpy()
+                                           - bare.global_w.numpy()).max()))
             times, final = run_fedring(config, folder)
             put("fedring", times)
             diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
@@ -271,6 +290,9 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
         "reps": reps, "per_rep_s": [{k: float(f"{v:.4g}") for k, v in r.items()} for r in per_rep],
         "wall_ratio_to_bare": summary(ratios), "cpu_ratio_to_bare": summary(cpu_ratios),
         "fedring_vs_bare_max_abs_diff": float(f"{max(diffs):.3g}"),
+        "bare_unwrapped_step_vs_bare_max_abs_diff": max(step_diffs),
+        "fedring_to_bare_unwrapped_step": summary(
+            {"fedring": [r["fedring_s"] / r["bare_unwrapped_step_s"] for r in per_rep]}),
     }
 
     def shown(xs: dict[str, list[float]]) -> str:
@@ -280,7 +302,8 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
         f"{statistics.median(r['bare_s'] for r in per_rep) * 1e3:.1f} ms/round (CPU "
         f"{statistics.median(r['bare_cpu_s'] for r in per_rep) * 1e3:.1f}); wall: "
         f"{shown(ratios)}; CPU: {shown(cpu_ratios)}; fedring vs bare max |diff| "
-        f"{result['fedring_vs_bare_max_abs_diff']}")
+        f"{result['fedring_vs_bare_max_abs_diff']}; fedring over bare_unwrapped_step "
+        f"{shown(result['fedring_to_bare_unwrapped_step']['per_rep'])}")
     return result
 
 

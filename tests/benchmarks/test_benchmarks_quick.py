@@ -56,11 +56,14 @@ def test_simulation_overhead_quick() -> None:
     pfl_part = result["pfl_workload"]
     [row] = pfl_part["rows"]
     assert pfl_part["pfl"] is pfl and row["clients"] == 10 and row["params"] == 9610
-    systems = {"fedring", "fedring_vectorized"} | ({"pfl"} if pfl else set())
+    systems = {"fedring", "fedring_vectorized", "bare_unwrapped_step"} | (
+        {"pfl"} if pfl else set())
     assert set(row["wall_ratio_to_bare"]["median"]) == systems
     for ratios in (row["wall_ratio_to_bare"]["median"], row["cpu_ratio_to_bare"]["median"]):
         assert all(positive(r) for r in ratios.values()), ratios
     assert row["fedring_vs_bare_max_abs_diff"] < 1e-4  # sequential and vectorized alike
+    assert row["bare_unwrapped_step_vs_bare_max_abs_diff"] == 0.0  # the same step, unwrapped
+    assert positive(row["fedring_to_bare_unwrapped_step"]["median"]["fedring"])
     for target in pfl_part["targets"].values():
         assert target["met"] in (True, False, None)
     [memory] = result["population_memory"]
