@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,11 +108,19 @@ class _Worker:
     def writable_model(self, *, into_reply: bool = False) -> FlatModel:
         """The model, ready to be written: moved out of a buffer it lent to a reply (which
         the server may still hold), or, ``into_reply``, into a free reply buffer, where
-        its delta can then be made in place and sent without a copy."""
-        if self.lent or into_reply:
+        its delta can then be made in place and sent without a copy. A model already in
+        a reply buffer that nothing else refers to any more (the server has dropped its
+        reply) stays there: moving a model re-points every parameter."""
+        if (self.lent or into_reply) and not self._in_a_dropped_reply():
             self.model.rebind(self.replies.delta(self.model.dim))
-            self.lent = False
+        self.lent = False
         return self.model
+
+    def _in_a_dropped_reply(self) -> bool:
+        flat_np = self.model.flat_np
+        # the vector's references: the model's attribute, its tensor's storage, ``flat_np``
+        # and getrefcount's argument (a LocalUpdate or other view still alive adds one)
+        return sys.getrefcount(flat_np) == 4 and self.replies.unused_but_for(flat_np)
 
     def train_one(self, x: torch.Tensor, y: torch.Tensor, seed: int,
                   global_params: list[torch.Tensor] | None = None) -> float:

@@ -42,12 +42,12 @@ def collect(grid: Grid, ids: Iterable[str], *, timeout: float, poll: float,
     while pending:
         for reply in grid.pull_messages([i for i in order if i in pending]):
             msg_id = reply.metadata.reply_to_message_id
-            if msg_id not in pending:
-                if on_stray is not None:
-                    on_stray(reply)
-                continue
-            pending.discard(msg_id)
-            on_reply(msg_id, reply)
+            if msg_id in pending:
+                pending.discard(msg_id)
+                on_reply(msg_id, reply)
+            elif on_stray is not None:
+                on_stray(reply)
+            del reply  # not held while the next one is pulled (in-process: made)
         if not pending or time.monotonic() >= deadline or (stop is not None and stop(pending)):
             break
         time.sleep(poll)

@@ -77,6 +77,7 @@ class ByteCountingGrid(Grid):
         for reply in self.inner.pull_messages(message_ids):  # lazily: replies stream
             self.up += payload_bytes(reply)
             yield reply
+            del reply  # not held while the next one is made (in-process: the next client)
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:

@@ -109,6 +109,21 @@ class ReplyBuffers:
         return np.frombuffer(buf, np.float32, count=dim, offset=len(header))
 
 
+    def unused_but_for(self, arr: np.ndarray) -> bool:
+        """Whether ``arr``, a vector from :meth:`delta`, is the only thing left that refers
+        to its buffer: no reply carries the buffer and no view of one is alive, so ``arr``
+        may be written again."""
+        view = arr.base
+        if not (isinstance(view, memoryview) and isinstance(view.obj, _ReplyBuffer)):
+            return False
+        buf = view.obj
+        # the buffer's references: our list, the memoryview, ``buf`` and getrefcount's
+        # argument; the memoryview's: ``arr``, ``view`` and the argument
+        if sys.getrefcount(buf) != 4 or sys.getrefcount(view) != 3:
+            return False
+        return any(b is buf for b in self._buffers)
+
+
 class _ReplyBuffer(bytearray):
     """A .npy header and a float32 vector, owned by a ReplyBuffers."""
 

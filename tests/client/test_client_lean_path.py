@@ -207,3 +207,48 @@ def test_in_place_deltas_give_the_same_run_when_the_server_holds_every_reply(
     assert not np.array_equal(runs[1][0], runs[1][-1])
     for before, after in zip(*runs, strict=True):
         np.testing.assert_array_equal(before, after)
+
+
+def test_a_model_stays_in_its_buffer_once_the_server_dropped_the_reply_made_there(
+        in_place: None) -> None:
+    """The next client trains where the last one did when nothing holds that reply any
+    more, and moves to another buffer while anything does: the reply, a view of its
+    delta, or a view of the model's vector."""
+    grid = InProcessGrid(client_app, 3)
+    first = _train(grid, 1)
+    kept = first.copy()
+    worker = _worker()
+    where = worker.model.flat_np.ctypes.data
+    second = _train(grid, 2)  # ``first`` (a view of the first reply) is alive: moved
+    np.testing.assert_array_equal(first, kept)
+    assert not np.shares_memory(first, second)
+    del first
+    moved_to = worker.model.flat_np.ctypes.data
+    assert moved_to != where
+    third = _train(grid, 3)  # ``second`` is alive: moved back to the free first buffer
+    assert worker.model.flat_np.ctypes.data == where
+    del second, third
+    _train(grid, 1).copy()  # nothing holds the third reply: trained where it was made
+    assert worker.model.flat_np.ctypes.data == where
+    view = worker.model.flat_np[:4]  # a view of the model's vector, as a LocalUpdate holds
+    before = view.copy()
+    _train(grid, 2).copy()
+    assert worker.model.flat_np.ctypes.data != where
+    np.testing.assert_array_equal(view, before)
+
+
+def test_an_in_process_round_moves_the_model_once(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path) -> None:
+    """A FedAvg round drops each reply once it is added (the engine and the server keep no
+    reference while the next client trains), so the model trains in one reply buffer."""
+    import client.app
+    from client.flat_model import FlatModel as Flat
+    from simulations.cli import run_simulation
+
+    moves = []
+    rebind = Flat.rebind
+    monkeypatch.setattr(Flat, "rebind", lambda self, v: moves.append(1) or rebind(self, v))
+    monkeypatch.setattr(client.app, "IN_PLACE_MIN_DIM", 0)
+    config = load_scenario("default", ["federation.clients=6", "federation.rounds=3"])
+    run_simulation(config, engine="inprocess", db=f"sqlite:///{tmp_path / 'r.db'}")
+    assert len(moves) <= 1, len(moves)  # (once into a reply buffer) of 18 trainings
