@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 
-from client.app import _WORKERS, IN_PLACE_MIN_DIM, FedringClient, record_of, training_seed
+from client import app
+from client.app import _WORKERS, FedringClient, record_of, training_seed
 from client.cohort import CohortClient, stack_data, train_cohort, unsupported
 from client.protocol.errors import WireError
 from client.protocol.keys import ConfigKey, NodeConfigKey, RecordName
@@ -158,7 +159,7 @@ class CohortHook:
                       f"{layout.dim:,} parameters do not fit one batch (measured here: "
                       "batches of larger models are slower than one client at a time)",
                       warn=False)
-        if not vectorize and layout.dim >= IN_PLACE_MIN_DIM:
+        if not vectorize and layout.dim >= app.IN_PLACE_MIN_DIM:  # (read here: one setting)
             return  # trained one by one by the ClientApp, each delta made in place
         _, base_flat = worker.global_model(record)
         start = base_flat.copy()  # batches train later: keep this round's model
