@@ -117,9 +117,9 @@ class ReplyBuffers:
         if not (isinstance(view, memoryview) and isinstance(view.obj, _ReplyBuffer)):
             return False
         buf = view.obj
-        # the buffer's references: our list, the memoryview, ``buf`` and getrefcount's
-        # argument; the memoryview's: ``arr``, ``view`` and the argument
-        if sys.getrefcount(buf) != 4 or sys.getrefcount(view) != 3:
+        # the buffer's references: our list, ``arr``'s memoryview, ``buf`` and
+        # getrefcount's argument (a reply's Array or a view made from it adds one)
+        if sys.getrefcount(buf) != 4:
             return False
         return any(b is buf for b in self._buffers)
 

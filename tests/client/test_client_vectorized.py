@@ -210,9 +210,9 @@ def test_back_to_back_replies_are_the_client_apps_own_to_the_bit(extra: list[str
 
 
 def test_a_large_model_is_not_trained_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    import client.vectorized
+    import client.app
 
-    monkeypatch.setattr(client.vectorized, "IN_PLACE_MIN_DIM", 100)  # the test MLP: larger
+    monkeypatch.setattr(client.app, "IN_PLACE_MIN_DIM", 100)  # the test MLP: larger
     one_by_one, _ = _round([], None)
     replies, hook = _round([], False)
     assert hook.back_to_back == 0

@@ -80,6 +80,27 @@ def test_a_buffer_is_reused_only_when_nothing_refers_to_it():
     assert buffers.delta(32).size == 32  # another size gets its own buffer
 
 
+def test_a_delta_may_be_written_again_only_when_nothing_else_refers_to_its_buffer():
+    buffers = ReplyBuffers(keep=1)
+    delta = buffers.delta(64)
+    assert buffers.unused_but_for(delta)
+    record = delta_record(delta)  # the reply carries the buffer
+    assert not buffers.unused_but_for(delta)
+    seen = npy_view(record["delta"])  # the server's view of it
+    del record
+    assert not buffers.unused_but_for(delta)
+    del seen
+    assert buffers.unused_but_for(delta)
+    assert not buffers.unused_but_for(np.zeros(64, np.float32))  # not from these buffers
+    buffers.delta(32)  # keep=1: the first buffer leaves the pool
+    assert not buffers.unused_but_for(delta)
+    delta = buffers.delta(16)
+    record = delta_record(delta)  # a reply carries it, and the buffer leaves the pool:
+    buffers.delta(8)              # its reference count alone would look like a free one's
+    assert not buffers.unused_but_for(delta)
+    assert record["delta"].data is delta.base.obj
+
+
 def test_other_deltas_are_copied_into_bytes():
     delta = np.arange(10, dtype=np.float32)
     arr = delta_record(delta)["delta"]
