@@ -108,7 +108,6 @@ class ReplyBuffers:
         buf[:len(header)] = header
         return np.frombuffer(buf, np.float32, count=dim, offset=len(header))
 
-
     def unused_but_for(self, arr: np.ndarray) -> bool:
         """Whether ``arr``, a vector from :meth:`delta`, is the only thing left that refers
         to its buffer: no reply carries the buffer and no view of one is alive, so ``arr``
