@@ -26,6 +26,7 @@ one ring step after another. CUDA paths are not measured here.
     python benchmarks/allreduce.py            # n = 2, 4, 8; S = 1, 16, 64 MiB
     python benchmarks/allreduce.py --quick    # n = 2, 3; S = 64 KiB, 1 MiB
     python benchmarks/allreduce.py --plot docs/allreduce_model.png
+    python benchmarks/allreduce.py --pair halving_doubling_inplace   # the target's cells
 
 Prints a table, then one JSON object on the last line.
 """
@@ -89,17 +90,19 @@ def _callables(x: torch.Tensor, y: torch.Tensor, segment_bytes: int,
 
 
 def measure(rank: int, n: int, sizes: list[int], iters: int, warmup: int,
-            segment_bytes: int, window: int) -> list[dict[str, object]]:
+            segment_bytes: int, window: int,
+            algorithms: tuple[str, ...] = ALGORITHMS) -> list[dict[str, object]]:
     """Runs on every rank; rank 0's return value is the one reported. Each iteration
-    runs every size and every algorithm once, so the load of a shared machine falls
-    on all cells alike."""
+    runs every size and every one of ``algorithms`` once, so the load of a shared
+    machine falls on all cells alike."""
     bufs = {}
     for size in sizes:
         x = torch.randn(size // 4)
         y = torch.zeros_like(x)
-        bufs[size] = (x, y, _callables(x, y, segment_bytes, window))
-    wall = {(size, name): [] for size in sizes for name in ALGORITHMS}
-    cpu = {(size, name): [] for size in sizes for name in ALGORITHMS}
+        fns = _callables(x, y, segment_bytes, window)
+        bufs[size] = (x, y, {name: fns[name] for name in algorithms})
+    wall = {(size, name): [] for size in sizes for name in algorithms}
+    cpu = {(size, name): [] for size in sizes for name in algorithms}
     for it in range(warmup + iters):
         for size in sizes:
             x, y, fns = bufs[size]
@@ -118,7 +121,7 @@ def measure(rank: int, n: int, sizes: list[int], iters: int, warmup: int,
                     cpu[(size, name)].append(float(spent[1]))
     rows = []
     for size in sizes:
-        for name in ALGORITHMS:
+        for name in algorithms:
             samples = wall[(size, name)]
             t = statistics.median(samples)
             rows.append({
@@ -318,6 +321,64 @@ def _all_or_none(flags: list[bool]) -> bool | None:
     return all(flags) if flags else None
 
 
+def _machine(cores: int, load: float | None,
+             loads: dict[int, dict[str, float | None]]) -> dict[str, object]:
+    return {"platform": platform.platform(), "processor": platform.processor(),
+            "cpu_cores": cores, "load_average_at_start": load,
+            "load_average_by_world_size": loads, "load_average_at_end": _load(),
+            "torch": torch.__version__, "backend": "gloo", "device": "cpu",
+            "transport": "TCP loopback, one process per rank"}
+
+
+def pair(args: argparse.Namespace) -> dict[str, object]:
+    """Native gloo and ``args.pair`` only, alternated each iteration, at the
+    halving_doubling target's cells (n = 2, 4; 16 and 64 MiB): the target measured
+    with nothing else in the run. Quick: n = 2; 64 KiB and 1 MiB; 2 iterations."""
+    if args.quick:
+        worlds, sizes, iters = (2,), [64 << 10, MIB], args.iters or 2
+    else:
+        worlds, sizes, iters = HD_TARGET_N, list(HD_TARGET_BYTES), args.iters or 20
+    algorithms = ("native", args.pair)
+    cores = os.cpu_count() or 1
+    load = _load()
+    loads: dict[int, dict[str, float | None]] = {}
+    started = time.monotonic()
+    rows: list[dict[str, object]] = []
+    cells = []
+    for n in worlds:
+        loads[n] = {"start": _load()}
+        out = launch(measure, n, sizes, iters, 1, args.segment_bytes, args.window, algorithms,
+                     timeout=900)[0]
+        loads[n]["end"] = _load()
+        rows += out
+        for size in sizes:
+            native, other = ({r["algorithm"]: r for r in out if r["size_bytes"] == size}[a]
+                             for a in algorithms)
+            cell = {"n": n, "size_bytes": size,
+                    "over_native_busbw": round(other["busbw_GBps"] / native["busbw_GBps"], 3),
+                    "paired": paired_ratios(native, other),
+                    "cpu_over_native": round(
+                        other["cpu_s_all_ranks"] / native["cpu_s_all_ranks"], 3)}
+            cells.append(cell)
+            print(f"n={n} S={size / MIB:g} MiB load {loads[n]['start']}-{loads[n]['end']}  "
+                  f"native {native['time_s'] * 1e3:.1f} ms  {args.pair} "
+                  f"{other['time_s'] * 1e3:.1f} ms  over native {cell['over_native_busbw']}"
+                  f" (paired median {cell['paired']['median']}), CPU "
+                  f"{cell['cpu_over_native']}x", file=sys.stderr, flush=True)
+    return {
+        "benchmark": "allreduce_pair", "algorithm": args.pair, "quick": args.quick,
+        "machine": _machine(cores, load, loads), "iterations": iters, "warmup": 1,
+        "dtype": "float32", "segment_bytes": args.segment_bytes, "window": args.window,
+        "results": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
+                    for r in rows],
+        "cells": cells,
+        "target": {"over_native_busbw": TARGET_RATIO,
+                   "met": None if args.quick else _all_or_none(
+                       [c["over_native_busbw"] >= TARGET_RATIO for c in cells])},
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 2, 3; small sizes; 2 iters")
@@ -325,7 +386,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--segment-bytes", type=int, default=DEFAULT_SEGMENT_BYTES)
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     parser.add_argument("--plot", default=None, help="write the predictions' plot here")
+    parser.add_argument("--pair", choices=[a for a in ALGORITHMS if a != "native"],
+                        help="time only native gloo and this algorithm, alternated, at "
+                             "n = 2, 4 and 16, 64 MiB (20 iterations)")
     args = parser.parse_args(argv)
+    if args.pair:
+        return pair(args)
     if args.quick:
         worlds, sizes, iters = (2, 3), [64 << 10, MIB], args.iters or 2
     else:
@@ -388,11 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         plot(models, args.plot)
     summary = {
         "benchmark": "allreduce",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_cores": cores, "load_average_at_start": load,
-                    "load_average_by_world_size": loads, "load_average_at_end": _load(),
-                    "torch": torch.__version__, "backend": "gloo", "device": "cpu",
-                    "transport": "TCP loopback, one process per rank"},
+        "machine": _machine(cores, load, loads),
         "oversubscribed_world_sizes": [n for n in worlds if n > cores],
         "quick": args.quick, "iterations": iters, "warmup": 1, "dtype": "float32",
         "segment_bytes": args.segment_bytes, "window": args.window,

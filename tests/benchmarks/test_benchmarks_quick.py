@@ -260,6 +260,36 @@ def test_allreduce_quick() -> None:
 
 
 @pytest.mark.slow
+def test_allreduce_pair_quick() -> None:
+    """``--pair``: native gloo and one algorithm only, alternated; ratios from the samples."""
+    result = run_quick("allreduce.py", extra=("--pair", "halving_doubling_inplace"))
+    assert result["benchmark"] == "allreduce_pair" and result["quick"] is True
+    assert result["algorithm"] == "halving_doubling_inplace"
+    rows = {(r["n"], r["size_bytes"], r["algorithm"]): r for r in result["results"]}
+    assert {a for _, _, a in rows} == {"native", "halving_doubling_inplace"}
+    assert [(c["n"], c["size_bytes"]) for c in result["cells"]] == [(2, 64 << 10), (2, 1 << 20)]
+    for cell in result["cells"]:
+        native = rows[(cell["n"], cell["size_bytes"], "native")]
+        other = rows[(cell["n"], cell["size_bytes"], "halving_doubling_inplace")]
+        assert len(native["samples_s"]) == len(other["samples_s"]) == result["iterations"]
+        # the rows' figures are rounded to 1e-6 (s), the cells' ratios to 1e-3
+        def rounded(a: float, b: float) -> float:
+            return 1e-3 + 1e-6 / a + 1e-6 / b
+
+        t_native, t_other = native["time_s"], other["time_s"]
+        assert cell["over_native_busbw"] == pytest.approx(
+            t_native / t_other, rel=rounded(t_native, t_other))
+        ratios = sorted(a / b for a, b in zip(native["samples_s"], other["samples_s"],
+                                              strict=True))
+        assert cell["paired"]["min"] == pytest.approx(ratios[0], abs=1e-3)
+        assert cell["paired"]["max"] == pytest.approx(ratios[-1], abs=1e-3)
+        c_native, c_other = native["cpu_s_all_ranks"], other["cpu_s_all_ranks"]
+        assert cell["cpu_over_native"] == pytest.approx(
+            c_other / c_native, rel=rounded(c_native, c_other))
+    assert result["target"] == {"over_native_busbw": 0.95, "met": None}  # not judged when quick
+
+
+@pytest.mark.slow
 def test_robustness_quick() -> None:
     from simulations.attacks import choose_attackers
 
