@@ -330,6 +330,28 @@ def _machine(cores: int, load: float | None,
             "transport": "TCP loopback, one process per rank"}
 
 
+def run_worlds(worlds: tuple[int, ...], sizes: list[int], iters: int, args: argparse.Namespace,
+               algorithms: tuple[str, ...]) -> tuple[list[dict[str, object]],
+                                                     dict[int, dict[str, float | None]]]:
+    """``measure`` at each world size in turn; a line per size on stderr. Returns the rows
+    and the load average before and after each world size."""
+    loads: dict[int, dict[str, float | None]] = {}
+    rows: list[dict[str, object]] = []
+    for n in worlds:
+        loads[n] = {"start": _load()}
+        out = launch(measure, n, sizes, iters, 1, args.segment_bytes, args.window, algorithms,
+                     timeout=900)[0]
+        loads[n]["end"] = _load()
+        rows += out
+        for size in sizes:
+            here = {r["algorithm"]: r for r in out if r["size_bytes"] == size}
+            print(f"n={n} S={size / MIB:g} MiB load {loads[n]['start']}-{loads[n]['end']}  "
+                  + "  ".join(
+                f"{a} {here[a]['time_s'] * 1e3:.1f} ms {here[a]['busbw_GBps']:.2f} GB/s"
+                for a in algorithms), file=sys.stderr, flush=True)
+    return rows, loads
+
+
 def pair(args: argparse.Namespace) -> dict[str, object]:
     """Native gloo and ``args.pair`` only, alternated each iteration, at the
     halving_doubling target's cells (n = 2, 4; 16 and 64 MiB): the target measured
@@ -339,35 +361,28 @@ def pair(args: argparse.Namespace) -> dict[str, object]:
     else:
         worlds, sizes, iters = HD_TARGET_N, list(HD_TARGET_BYTES), args.iters or 20
     algorithms = ("native", args.pair)
-    cores = os.cpu_count() or 1
     load = _load()
-    loads: dict[int, dict[str, float | None]] = {}
     started = time.monotonic()
-    rows: list[dict[str, object]] = []
+    rows, loads = run_worlds(worlds, sizes, iters, args, algorithms)
+    by_key = {(r["n"], r["size_bytes"], r["algorithm"]): r for r in rows}
     cells = []
     for n in worlds:
-        loads[n] = {"start": _load()}
-        out = launch(measure, n, sizes, iters, 1, args.segment_bytes, args.window, algorithms,
-                     timeout=900)[0]
-        loads[n]["end"] = _load()
-        rows += out
         for size in sizes:
-            native, other = ({r["algorithm"]: r for r in out if r["size_bytes"] == size}[a]
-                             for a in algorithms)
-            cell = {"n": n, "size_bytes": size,
-                    "over_native_busbw": round(other["busbw_GBps"] / native["busbw_GBps"], 3),
-                    "paired": paired_ratios(native, other),
-                    "cpu_over_native": round(
-                        other["cpu_s_all_ranks"] / native["cpu_s_all_ranks"], 3)}
-            cells.append(cell)
-            print(f"n={n} S={size / MIB:g} MiB load {loads[n]['start']}-{loads[n]['end']}  "
-                  f"native {native['time_s'] * 1e3:.1f} ms  {args.pair} "
-                  f"{other['time_s'] * 1e3:.1f} ms  over native {cell['over_native_busbw']}"
-                  f" (paired median {cell['paired']['median']}), CPU "
-                  f"{cell['cpu_over_native']}x", file=sys.stderr, flush=True)
+            native, other = (by_key[(n, size, a)] for a in algorithms)
+            cells.append({
+                "n": n, "size_bytes": size,
+                "over_native_busbw": round(other["busbw_GBps"] / native["busbw_GBps"], 3),
+                "paired": paired_ratios(native, other),
+                "cpu_over_native": round(
+                    other["cpu_s_all_ranks"] / native["cpu_s_all_ranks"], 3)})
+            print(f"n={n} S={size / MIB:g} MiB  {args.pair} over native "
+                  f"{cells[-1]['over_native_busbw']} (paired median "
+                  f"{cells[-1]['paired']['median']}), CPU {cells[-1]['cpu_over_native']}x",
+                  file=sys.stderr, flush=True)
     return {
         "benchmark": "allreduce_pair", "algorithm": args.pair, "quick": args.quick,
-        "machine": _machine(cores, load, loads), "iterations": iters, "warmup": 1,
+        "machine": _machine(os.cpu_count() or 1, load, loads), "iterations": iters,
+        "warmup": 1,
         "dtype": "float32", "segment_bytes": args.segment_bytes, "window": args.window,
         "results": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
                     for r in rows],
@@ -398,22 +413,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         worlds, sizes, iters = (2, 4, 8), [MIB, 16 * MIB, 64 * MIB], args.iters or 9
     cores = os.cpu_count() or 1
     load = _load()
-    loads: dict[int, dict[str, float | None]] = {}
     started = time.monotonic()
-    rows: list[dict[str, object]] = []
-    for n in worlds:
-        loads[n] = {"start": _load()}
-        out = launch(measure, n, sizes, iters, 1, args.segment_bytes, args.window,
-                     timeout=900)
-        rows += out[0]
-        loads[n]["end"] = _load()
-        for size in sizes:
-            here = {r["algorithm"]: r for r in out[0] if r["size_bytes"] == size}
-            print(f"n={n} S={size / MIB:g} MiB load {loads[n]['start']}-{loads[n]['end']}  "
-                  + "  ".join(
-                f"{a} {here[a]['time_s'] * 1e3:.1f} ms {here[a]['busbw_GBps']:.2f} GB/s"
-                for a in ALGORITHMS), file=sys.stderr, flush=True)
-
+    rows, loads = run_worlds(worlds, sizes, iters, args, ALGORITHMS)
     by_key = {(r["n"], r["size_bytes"], r["algorithm"]): r for r in rows}
     ratios = []
     for n in worlds:
