@@ -97,6 +97,31 @@ def test_audit_of_a_gaussian_mechanism_on_vectors():
     assert cosines(np.zeros(d), rows).tolist() == [0.0] * k
 
 
+def test_fresh_canaries_are_independent_across_blocks(monkeypatch):
+    """The never-inserted canaries are drawn ``block`` rows at a time: every block from its
+    own entropy, so the null fit rests on K distinct draws, none of them an inserted one."""
+    import privacy.dp.audit as audit_module
+
+    seen: dict[str, np.ndarray] = {}
+    honest = audit_module.estimate_epsilon
+
+    def spy(inserted, unseen, delta):
+        seen["inserted"], seen["unseen"] = inserted, unseen
+        return honest(inserted, unseen, delta)
+
+    monkeypatch.setattr(audit_module, "estimate_epsilon", spy)
+    d, k, entropy = 500, 200, canary_entropy()
+    change = np.random.default_rng(5).normal(size=d)
+    rows = random_canaries(k, d, entropy)
+    audit_epsilon(change, rows, 1e-5, entropy=entropy, block=64)
+    unseen = seen["unseen"]
+    assert unseen.shape == (k,)
+    assert np.unique(unseen).size == k  # no block repeats another
+    assert not np.isin(unseen, seen["inserted"]).any()  # none is an inserted canary
+    # K independent draws of ~ N(0, 1/d): their spread is the null's
+    assert unseen.std() == pytest.approx(1 / math.sqrt(d), rel=0.2)
+
+
 # ---- the canary stage in the real pipeline
 
 

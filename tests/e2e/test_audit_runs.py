@@ -20,6 +20,7 @@ import pytest
 
 import server.dp
 from server.app import run_server
+from server.audit import CanaryAudit
 from simulations.apps import build_task, client_app
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
@@ -142,3 +143,30 @@ def test_a_resumed_run_keeps_its_canaries(run_inprocess, store, db_url):
     after = saved_audit()
     assert after["entropy"] == before["entropy"] and after["rounds"] == 5
     assert summary["audit_participations"] == 20 * 5
+
+
+def test_without_dp_canaries_are_sized_from_the_accepted_updates_only(run_inprocess, store,
+                                                                      monkeypatch):
+    """An attacker whose huge updates ``aggregation.max_norm`` rejects must not size the
+    canaries (it would inflate epsilon_audit): each round's canary norm is the median norm
+    of that round's accepted updates, as stored."""
+    sized: list[float] = []
+    honest = CanaryAudit._norm_and_scale
+
+    def spy(self, count):
+        norm, scale = honest(self, count)
+        sized.append(norm)
+        return norm, scale
+
+    monkeypatch.setattr(CanaryAudit, "_norm_and_scale", spy)
+    cfg = load_scenario("default", [*SMALL, "audit.canaries=10", "aggregation.max_norm=100.0",
+                                    'attack.kind="scale"', "attack.scale=1e6",
+                                    "attack.fraction=0.4"])
+    summary = run_inprocess(cfg)
+    assert len(sized) == summary["rounds"] == 3
+    for rnd, norm in enumerate(sized, start=1):
+        records = [u for _, u in store.updates(summary["run_id"], round=rnd)]
+        accepted = [u.norm for u in records if u.fate == "accepted"]
+        assert any(u.fate == "rejected" for u in records) and accepted
+        assert norm == pytest.approx(float(np.median(accepted)), rel=1e-6)
+        assert norm < 100.0
