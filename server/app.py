@@ -26,6 +26,7 @@ from server.rounds import RoundSource, RunContext, wait_for_nodes
 from server.rules import check_rules
 from server.run_loop import RunLoop
 from server.scenario import ServerScenario
+from server.secagg_config import exposure_warning
 from server.secure_round import SecureSettings, SecureSum, make_secure_settings
 from server.store import Store, absolute_url, mask_url
 from server.sync_rounds import PlainReplies, SyncRounds
@@ -71,6 +72,8 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     try:
         ctx = RunContext(grid, scenario=scenario, task=task, pipeline=pipeline, store=store,
                          reporter=reporter or LogReporter(), dp=dp, clock=clock)
+        if (weak_secagg := exposure_warning(config)) is not None:
+            ctx.reporter.message(weak_secagg)  # once, at start: Bell et al.'s bound missed
         loop = RunLoop(ctx, round_source(ctx, secure=secure), audit=audit)
         return loop.resume(resume) if resume else loop.run()
     finally:

@@ -14,7 +14,9 @@ delta, and the server learns only the sum over the round's survivors (see
 - ``min_survivors`` (>= 3, default 3): no sum of fewer clients is ever revealed; the
   round aborts before any unmasking share is requested;
 - ``corrupt_fraction`` (default 0.05, ``privacy.secagg.policy``): the fraction of
-  clients assumed to collude with the server when "auto" picks k;
+  clients assumed to collude with the server when "auto" picks k; an explicit k (or t)
+  that exposes more clients than Bell et al.'s bound allows, and more than "auto" would,
+  is warned about at start (:func:`exposure_warning`);
 - ``bits``: the modulus 2^bits of the masked sums; ``clip_range``: each coordinate of
   a delta is clipped to [-clip_range, clip_range]; ``max_weight``: a client's weight is
   min(num_examples, max_weight) (1 with ``aggregation.weight_by = "uniform"``);
@@ -34,11 +36,12 @@ it is sent against its own policy.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from client.protocol.secagg import STAGE_NAMES
 from privacy.secagg import check_headroom, default_k, default_threshold, max_scale
+from privacy.secagg.params import SECURITY_BITS, exposed_fraction, meets_security
 from privacy.secagg.policy import (
     DEFAULT_CORRUPT_FRACTION,
     MIN_NEIGHBORS,
@@ -167,6 +170,31 @@ class SecAggScenarioConfig:
                              f"least {k // 2 + 1}, or to a fraction >= {DEFAULT_THRESHOLD}")
         return k, t
 
+    def exposure_warning(self, n: int) -> str | None:
+        """Why the (k, t) of a round of ``n`` clients falls short of Bell et al.'s bound for
+        ``corrupt_fraction`` (:func:`privacy.secagg.params.meets_security`) and exposes
+        more clients than "auto" would; None when it does not."""
+        k, t = self.graph(n)
+        gamma = float(self.corrupt_fraction)
+        if meets_security(n, k, t, gamma):
+            return None
+        auto_k, auto_t = replace(self, neighbors="auto", threshold=DEFAULT_THRESHOLD).graph(n)
+        p = exposed_fraction(k, t, gamma)
+        if p <= exposed_fraction(auto_k, auto_t, gamma):
+            return None  # e.g. a small cohort: even the full graph misses the bound
+        keys = [f"secagg.neighbors = {self.neighbors!r}"]
+        if self.threshold != DEFAULT_THRESHOLD:
+            keys.append(f"secagg.threshold = {self.threshold!r}")
+        verb, auto = ("give", " and the default threshold") if len(keys) > 1 else ("gives", "")
+        return (f"WARNING: {' and '.join(keys)} {verb} k = {k}, t = {t} at {n} clients a "
+                f"round, short of Bell et al.'s bound for secagg.corrupt_fraction = {gamma:g}: "
+                f"{100 * p:.3g}% of a round's clients are expected to have t or more corrupt "
+                f"neighbours (who, with the server, can unmask their inputs), so a chance of up "
+                f"to {min(1.0, n * p):.3g} that some client of the {n} has, against a target of "
+                f"2^-{SECURITY_BITS} = {2.0**-SECURITY_BITS:.3g}; raise "
+                f"{' or '.join(key.split(' =')[0] for key in keys)}, or set "
+                f"secagg.neighbors = \"auto\"{auto} (k = {auto_k}, t = {auto_t} here)")
+
     def scale_for(self, n: int, weight_by: str) -> float:
         """The fixed-point scale of a round with ``n`` participants (checked for wrap)."""
         cap = self.weight_cap(weight_by)
@@ -183,3 +211,23 @@ def max_round_size(config: Mapping[str, Any]) -> int:
     if driver.kind == "fedbuff":
         return driver.buffer_size
     return FederationConfig(**config["federation"]).max_per_round()
+
+
+def expected_round_size(config: Mapping[str, Any]) -> int:
+    """The expected number of clients in one secure sum: the expected cohort (at least
+    ``min_survivors``), or FedBuff's ``buffer_size``."""
+    driver = DriverConfig(**dict(config.get("driver") or {}))
+    if driver.kind == "fedbuff":
+        return driver.buffer_size
+    least = SecAggScenarioConfig.from_dict(config.get("secagg")).min_survivors
+    return max(least, round(FederationConfig(**config["federation"]).expected_per_round()))
+
+
+def exposure_warning(config: Mapping[str, Any]) -> str | None:
+    """The start-time warning of a resolved config whose secure sums, at their expected
+    size, expose more clients than Bell et al.'s bound allows
+    (:meth:`SecAggScenarioConfig.exposure_warning`); None with secagg off."""
+    secagg = SecAggScenarioConfig.from_dict(config.get("secagg"))
+    if not secagg.enabled:
+        return None
+    return secagg.exposure_warning(expected_round_size(config))

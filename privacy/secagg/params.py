@@ -13,10 +13,9 @@ clients is chosen independently of the graph,
 1. correctness: ``n * P[Bin(k, 1 - delta) < t] <= 2**-failure_bits``, so by a union
    bound every client keeps >= t surviving neighbours (the round cannot fail for
    lack of shares) except with probability 2^-failure_bits;
-2. privacy: ``n * P[Bin(k, gamma) >= t] <= 2**-security_bits``, so no client has t
-   corrupt neighbours except with probability 2^-security_bits. A node's
-   neighbourhood is (close to) a uniform k-subset; the hypergeometric tail is at
-   most the binomial one (Hoeffding 1963), so the binomial bound is conservative.
+2. privacy: ``n * P[Bin(k, gamma) >= t] <= 2**-security_bits``
+   (:func:`meets_security`, :func:`exposed_fraction`: why binomial), so no client has
+   t corrupt neighbours except with probability 2^-security_bits.
 
 Both tails are computed exactly, not by a Chernoff bound. They decay like
 exp(-k * D) with D the Kullback-Leibler divergence between t/k and 1-delta (resp.
@@ -49,6 +48,7 @@ MAX_DIM = 1 << 34
 MAX_BITS = 64
 SEED_BYTES = 32
 _MAX_SEED_DRAWS = 64
+SECURITY_BITS = 40  # no client has t corrupt neighbours except with probability 2^-40
 
 
 def default_threshold(k: int, threshold_fraction: float = 0.5) -> int:
@@ -86,6 +86,27 @@ def binomial_tail_at_least(k: int, p: float, t: int) -> float:
     return math.fsum(_binomial_pmfs(k, p, max(0, t), k + 1))
 
 
+def exposed_fraction(k: int, t: int, corrupt_fraction: float) -> float:
+    """The expected fraction of a round's clients with t or more corrupt neighbours among
+    their k (who, with the server, can rebuild their secrets): P[Bin(k, gamma) >= t].
+
+    Binomial, not hypergeometric: ``corrupt_fraction`` (gamma) is the colluding fraction of
+    the population a round's cohort is drawn from, so each neighbour is corrupt with
+    probability gamma, whatever the cohort's size. A fixed count gamma*n inside the cohort
+    would make it hypergeometric, degenerate at small n (at n = 20, gamma = 0.05 there is
+    one corrupt client, never two neighbours) and close to the binomial at large n.
+    """
+    return binomial_tail_at_least(k, corrupt_fraction, t)
+
+
+def meets_security(n: int, k: int, t: int, corrupt_fraction: float,
+                   security_bits: int = SECURITY_BITS) -> bool:
+    """Bell et al.'s privacy bound: ``n * exposed_fraction(k, t, gamma) <=
+    2**-security_bits``, the expected number of exposed clients of a round of ``n``, and by
+    the union bound the most the chance that any of them is exposed can be."""
+    return n * exposed_fraction(k, t, corrupt_fraction) <= 2.0**-security_bits
+
+
 def default_k(
     n: int,
     *,
@@ -93,7 +114,7 @@ def default_k(
     corrupt_fraction: float = DEFAULT_CORRUPT_FRACTION,
     threshold_fraction: float = 0.5,
     failure_bits: int = 20,
-    security_bits: int = 40,
+    security_bits: int = SECURITY_BITS,
 ) -> int:
     """Smallest graph degree meeting conditions 1-2 of the module docstring, else n-1."""
     if n < 2:
@@ -101,7 +122,6 @@ def default_k(
     if not 0.0 <= dropout_fraction < 1.0 or not 0.0 <= corrupt_fraction < 1.0:
         raise ValueError("dropout_fraction and corrupt_fraction must be in [0, 1)")
     fail_budget = 2.0**-failure_bits / n
-    leak_budget = 2.0**-security_bits / n
     if dropout_fraction >= 1.0 - threshold_fraction or corrupt_fraction >= threshold_fraction:
         return n - 1  # the tails do not vanish as k grows: only the full graph
     for k in range(1, n - 1):
@@ -110,7 +130,7 @@ def default_k(
         t = default_threshold(k, threshold_fraction)
         if binomial_tail_below(k, 1.0 - dropout_fraction, t) > fail_budget:
             continue
-        if binomial_tail_at_least(k, corrupt_fraction, t) > leak_budget:
+        if not meets_security(n, k, t, corrupt_fraction, security_bits):
             continue
         return k
     return n - 1

@@ -319,3 +319,50 @@ def test_the_default_corrupt_fraction_feeds_bells_bound_at_n_100():
     assert SecAggConfig.create(range(1, 101), DIM).k == expected
     assert default_k(100, corrupt_fraction=0.1) == next(k for k in range(3, 99)
                                                          if meets(100, k, 0.1))
+
+
+# --- Bell et al.'s privacy bound: the share of clients with t corrupt neighbours ----------
+
+
+@pytest.mark.parametrize(("k", "t", "gamma"), [(3, 2, 0.05), (3, 3, 0.05), (4, 3, 0.05),
+                                               (19, 10, 0.05), (34, 18, 0.05), (56, 29, 0.1),
+                                               (7, 4, 1 / 3)])
+def test_the_exposed_fraction_is_the_binomial_tail_computed_by_scipy(k, t, gamma):
+    from scipy.stats import binom
+
+    expected = sum(binom.pmf(i, k, gamma) for i in range(t, k + 1))  # P[>= t of k corrupt]
+    assert params.exposed_fraction(k, t, gamma) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_tracker_example_exposes_about_seven_in_a_thousand_clients():
+    # k = 3, t = 2, gamma = 0.05: P[2 or 3 of 3 neighbours corrupt] = 3 g^2 (1-g) + g^3
+    from scipy.stats import binom, hypergeom
+
+    g = 0.05
+    by_hand = 3 * g**2 * (1 - g) + g**3
+    assert by_hand == pytest.approx(0.00725) and binom.sf(1, 3, g) == pytest.approx(by_hand)
+    assert params.exposed_fraction(3, 2, g) == pytest.approx(by_hand, rel=1e-12)
+    # 20 clients: 0.145 expected, far above 2^-40; a fixed gamma * n = 1 corrupt client in
+    # the cohort (hypergeometric) could never be two neighbours, hence the binomial
+    assert not params.meets_security(20, 3, 2, g)
+    assert hypergeom.sf(1, 19, 1, 3) == 0.0
+
+
+def test_meets_security_is_n_times_the_tail_against_two_to_the_minus_forty():
+    from scipy.stats import binom
+
+    def meets(n: int, k: int, gamma: float) -> bool:
+        return bool(n * binom.sf(k // 2, k, gamma) <= 2.0**-40)
+
+    for n, gamma in ((100, 0.05), (1000, 0.05), (100, 0.1), (10_000, 0.05)):
+        for k in range(3, 80):
+            assert params.meets_security(n, k, k // 2 + 1, gamma) is meets(n, k, gamma), \
+                (n, k, gamma)
+    assert params.meets_security(100, 34, 18, 0.05) and not params.meets_security(
+        100, 33, 17, 0.05)
+    assert params.meets_security(100, 33, 17, 0.05, security_bits=36)  # 4.1e-12 <= 2^-36
+    # the full graph (k = n - 1) first meets it at n = 33; below, "auto" takes it anyway
+    full = next(n for n in range(4, 100) if bool((n * binom.sf((n - 1) // 2, n - 1, 0.05))
+                                                 <= 2.0**-40))
+    assert full == 33 and params.meets_security(33, 32, 17, 0.05)
+    assert not params.meets_security(32, 31, 16, 0.05) and params.default_k(32) == 31

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.secagg_config import SecAggScenarioConfig
+from server.secagg_config import SecAggScenarioConfig, exposure_warning
 from simulations.config import load_scenario
 
 ON = ["secagg.enabled=true"]
@@ -109,3 +109,74 @@ def test_the_server_app_refuses_a_hand_made_config_before_any_round(run_inproces
     with pytest.raises(ValueError, match="only ever sees the weighted sum"):
         run_inprocess(cfg)
     assert store.list_runs() == []
+
+
+# an explicit k (or t) short of Bell et al.'s bound for corrupt_fraction: a loud warning
+
+
+def _exposed(n: int, k: int, t: int, gamma: float = 0.05) -> tuple[float, float]:
+    """(fraction of a round's clients with >= t of k neighbours corrupt, n times it), from
+    scipy: each neighbour is corrupt with probability gamma, independently."""
+    from scipy.stats import binom
+
+    p = float(binom.sf(t - 1, k, gamma))
+    return p, n * p
+
+
+def test_an_explicit_k_short_of_the_bound_warns_with_the_exposed_share():
+    cfg = load_scenario("default", [*ON, "secagg.neighbors=3"])  # 20 clients, all each round
+    p, some = _exposed(20, 3, 2)
+    assert round(100 * p, 3) == 0.725  # the tracker's "about 0.7% of clients a round"
+    text = exposure_warning(cfg)
+    assert text.startswith("WARNING: secagg.neighbors = 3 gives k = 3, t = 2 at 20 clients")
+    assert f"{100 * p:.3g}% of a round's clients" in text and f"up to {some:.3g} " in text
+    assert "secagg.corrupt_fraction = 0.05" in text and "2^-40" in text
+    assert 'raise secagg.neighbors, or set secagg.neighbors = "auto" (k = 19, t = 10' in text
+
+
+def test_an_explicit_threshold_enters_the_same_figure_and_is_named():
+    cfg = load_scenario("default", [*ON, "secagg.neighbors=3", "secagg.threshold=3"])
+    p, _ = _exposed(20, 3, 3)
+    text = exposure_warning(cfg)
+    assert "secagg.threshold = 3 give k = 3, t = 3" in text
+    assert f"{100 * p:.3g}% of a round's clients" in text
+    assert "raise secagg.neighbors or secagg.threshold" in text
+    assert p < _exposed(20, 3, 2)[0]  # a higher t exposes fewer
+
+
+def test_the_warning_uses_the_expected_cohort_and_the_buffer():
+    poisson = load_scenario("default", [*ON, "secagg.neighbors=3", "federation.clients=100",
+                                        "federation.sample_fraction=0.2",
+                                        'federation.sampling="poisson"'])
+    assert "at 20 clients a round" in exposure_warning(poisson)
+    buffered = load_scenario("default", [*ON, "secagg.neighbors=3", 'driver.kind="fedbuff"',
+                                         "driver.buffer_size=9"])
+    assert "k = 4, t = 3 at 9 clients a round" in exposure_warning(buffered)  # 9 * 3 is odd
+
+
+def test_no_warning_for_auto_full_or_a_k_that_meets_the_bound():
+    # the least k whose t = floor(k/2) + 1 meets n * P[Bin(k, 0.05) >= t] <= 2^-40 at n = 100
+    least = next(k for k in range(3, 99) if _exposed(100, k, k // 2 + 1)[1] <= 2.0**-40)
+    assert least == 34
+    hundred = [*ON, "federation.clients=100"]
+    assert exposure_warning(load_scenario("default", [*hundred, f"secagg.neighbors={least}"])) \
+        is None
+    assert "k = 33, t = 17 at 100 clients" in exposure_warning(
+        load_scenario("default", [*hundred, f"secagg.neighbors={least - 1}"]))
+    for overrides in ([], ['secagg.neighbors="full"'], ["secagg.neighbors=19"],
+                      ["secagg.threshold=0.7"], ["federation.clients=100"]):
+        # at 20 clients even the full graph misses 2^-40 (n * P = 1.2e-7): "auto" picks it
+        # and is not warned about, nor is an explicit k as good as it
+        assert exposure_warning(load_scenario("default", [*ON, *overrides])) is None, overrides
+    assert _exposed(20, 19, 10)[1] > 2.0**-40
+    assert exposure_warning(load_scenario("default", ["secagg.neighbors=3"])) is None  # off
+
+
+def test_the_cli_run_shows_the_warning_once_not_per_round(run_inprocess, capsys):
+    cfg = load_scenario("default", [*ON, "secagg.neighbors=3", "federation.clients=8",
+                                    "federation.rounds=2", "train.local_epochs=1"])
+    summary = run_inprocess(cfg)
+    assert summary["status"] == "completed" and summary["versions"] == 2
+    out = capsys.readouterr().out
+    assert out.count("WARNING: secagg.neighbors = 3 gives k = 3, t = 2 at 8 clients") == 1
+    assert "round 1/2" in out and "round 2/2" in out
