@@ -32,13 +32,14 @@ from flwr.clientapp.typing import ClientAppCallable
 from aggregation.centered import clip_around
 from client import local_state
 from client.compression import reply_record
+from client.dp_sgd import DPSGDBudgetExceeded, dp_sgd_round
 from client.flat_model import FlatModel
 from client.momentum import momentum_update
 from client.protocol.errors import WireError
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
 from client.protocol.records import metric_record, record_dict
-from client.protocol.train import read_center, read_client_momentum
+from client.protocol.train import read_center, read_client_momentum, read_dp_sgd_prior_rounds
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
 from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
@@ -49,7 +50,6 @@ from client.training import (
     make_optimizer,
     resolve_device,
     train,
-    train_dp_sgd,
 )
 from privacy.dp import local_dp_update
 from privacy.secagg import ProtocolError
@@ -274,9 +274,10 @@ class FedringClient:
             values = {MetricKey.NUM_EXAMPLES: len(x)}
             if pretrained is not None:  # trained with its cohort (client.vectorized)
                 trained, loss = pretrained
-            elif worker.task.train_config.dp_sgd:
-                loss, values["dp_sgd_epsilon"] = train_dp_sgd(model.module, x, y,
-                                                              worker.task.train_config)
+            elif worker.task.train_config.dp_sgd:  # composed with this node's rounds
+                loss, figures = dp_sgd_round(model.module, x, y, worker.task.train_config,
+                                             context.state, read_dp_sgd_prior_rounds(config))
+                values.update(figures)
             else:
                 loss = worker.train_one(x, y, seed, global_params)
             values["train_loss"] = loss
@@ -376,10 +377,11 @@ def _int_setting(config: ConfigRecord, key: str) -> int:
 def refuse_unusable_messages(msg: Message, context: Context,
                              call_next: ClientAppCallable) -> Message:
     """A Flower mod: a server message the client cannot use (a missing or malformed record,
-    a protocol violation) gets an error reply naming the problem; the app does not fail."""
+    a protocol violation) or a round its DP-SGD budget refuses gets an error reply naming
+    the problem; the app does not fail."""
     try:
         return call_next(msg, context)
-    except (WireError, ProtocolError) as exc:
+    except (WireError, ProtocolError, DPSGDBudgetExceeded) as exc:
         reason = f"{msg.metadata.message_type} message refused: {exc}"
         return Message(Error(MESSAGE_REFUSED, reason), reply_to=msg)
 

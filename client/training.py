@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class TrainConfig:
     dp_sgd_noise_multiplier: float = 0.0
     dp_sgd_max_grad_norm: float = 1.0
     dp_sgd_delta: float = 1e-5
+    dp_sgd_epsilon_budget: float | None = None  # composed over each client's rounds
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -54,9 +56,22 @@ class TrainConfig:
                              "and train.dp_sgd_max_grad_norm > 0")
         if not 0 < self.dp_sgd_delta < 1:
             raise ValueError(f"train.dp_sgd_delta must be in (0, 1), got {self.dp_sgd_delta}")
+        self._check_dp_sgd_budget()
         if self.dp_sgd and self.proximal_mu > 0:
             raise ValueError("DP-SGD clips per-sample gradients of the loss; the FedProx term "
                              "is not per-sample: set train.proximal_mu = 0 with DP-SGD")
+
+    def _check_dp_sgd_budget(self) -> None:
+        budget = self.dp_sgd_epsilon_budget
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int | float) \
+                or not math.isfinite(budget) or budget <= 0:
+            raise ValueError(f"train.dp_sgd_epsilon_budget must be a number > 0, got {budget!r}")
+        if not self.dp_sgd:
+            raise ValueError("train.dp_sgd_epsilon_budget caps DP-SGD's epsilon, but DP-SGD is "
+                             "off: set train.dp_sgd_noise_multiplier > 0, or remove "
+                             "train.dp_sgd_epsilon_budget")
 
     @property
     def dp_sgd(self) -> bool:
@@ -117,22 +132,37 @@ def reset_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
+def dp_sgd_sample_rate(n: int, cfg: TrainConfig) -> float:
+    """The Poisson sampling rate of each DP-SGD step on ``n`` examples."""
+    return min(1.0, cfg.batch_size / n)
+
+
+def dp_sgd_round_steps(n: int, cfg: TrainConfig) -> int:
+    """Steps of one call of ``train_dp_sgd`` on ``n`` examples: an expected epoch's batches
+    (``round(1 / q)``, at least one) for each local epoch."""
+    return cfg.local_epochs * max(1, round(1 / dp_sgd_sample_rate(n, cfg)))
+
+
 def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                  cfg: TrainConfig) -> tuple[float, float]:
-    """DP-SGD with Opacus (Abadi et al. 2016): Poisson-sampled batches of expected size
-    ``batch_size``, per-sample gradients clipped to ``dp_sgd_max_grad_norm``, Gaussian noise.
+    """DP-SGD with Opacus (Abadi et al. 2016): ``dp_sgd_round_steps`` steps, each on a
+    Poisson-sampled batch (expected size ``batch_size``) with per-sample gradients clipped
+    to ``dp_sgd_max_grad_norm`` and Gaussian noise. Every step is taken, so the count of
+    steps is fixed: an empty batch adds noise only.
 
     The batch draws and the noise come from operating-system entropy, never from the run
     seed: the sampled-batch guarantee needs both to stay secret from whoever knows the seed.
-    Returns the mean loss and the sample-level epsilon at ``dp_sgd_delta`` of this call
-    (Opacus' RDP accountant over its steps).
+    Returns the mean loss (over non-empty batches) and the sample-level epsilon at
+    ``dp_sgd_delta`` of this call alone (``client.dp_sgd`` composes a client's rounds).
     """
     from opacus import GradSampleModule
-    from opacus.accountants import RDPAccountant
     from opacus.optimizers import DPOptimizer
 
+    from privacy.dp import PrivacyAccountant
+
     n = len(x)
-    rate = min(1.0, cfg.batch_size / n)
+    rate = dp_sgd_sample_rate(n, cfg)
+    steps = dp_sgd_round_steps(n, cfg)
     params = [p for p in module.parameters() if p.requires_grad]
     check_model(module, cfg)
     device = x.device
@@ -142,24 +172,25 @@ def train_dp_sgd(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     opt = DPOptimizer(make_optimizer(params, cfg), noise_multiplier=cfg.dp_sgd_noise_multiplier,
                       max_grad_norm=cfg.dp_sgd_max_grad_norm,
                       expected_batch_size=max(1, round(rate * n)), generator=noise)
-    accountant = RDPAccountant()
-    total, steps = 0.0, 0
+    total, batches = 0.0, 0
     try:
         gsm.train()
-        for _ in range(cfg.local_epochs * max(1, round(1 / rate))):
+        for _ in range(steps):
             idx = torch.nonzero(torch.rand(n, generator=gen) < rate).flatten().to(device)
-            if len(idx) == 0:
-                continue
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(gsm(x[idx]), y[idx])
+            # (an empty batch's summed loss is 0: its per-sample gradients are empty)
+            loss = F.cross_entropy(gsm(x[idx]), y[idx], reduction="mean" if len(idx) else "sum")
             loss.backward()
             opt.step()
-            accountant.step(noise_multiplier=cfg.dp_sgd_noise_multiplier, sample_rate=rate)
-            total += loss.item()
-            steps += 1
+            if len(idx):
+                total += loss.item()
+                batches += 1
     finally:
         gsm._close()  # removes Opacus' hooks so the cached module stays a plain module
-    return total / max(steps, 1), float(accountant.get_epsilon(cfg.dp_sgd_delta))
+    accountant = PrivacyAccountant(cfg.dp_sgd_noise_multiplier, delta=cfg.dp_sgd_delta,
+                                   sampling_rate=rate)
+    accountant.step(steps)
+    return total / max(batches, 1), accountant.epsilon()
 
 
 def train(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, *,

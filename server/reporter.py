@@ -38,6 +38,8 @@ def round_line(rnd: int, rounds: int | None, metrics: dict[str, float]) -> str:
         parts.append("secure round aborted")
     elif "secure_survivors" in metrics:
         parts.append(f"secure sum of {int(metrics['secure_survivors'])} survivors")
+    if "dp_sgd_epsilon" in metrics:  # the largest client's, composed over its rounds
+        parts.append(f"dp_sgd_epsilon {metrics['dp_sgd_epsilon']:.4g} (sample-level)")
     of = f"/{rounds}" if rounds else ""
     return f"round {rnd}{of}: " + ", ".join(parts)
 
@@ -51,6 +53,11 @@ def status_line(summary: dict[str, Any]) -> str:
     if summary.get("epsilon") is not None:
         line += f", epsilon {summary['epsilon']:.4g}"
     line += f", store {summary.get('store')}"
+    if summary.get("dp_sgd_epsilon") is not None:
+        line += (f"; dp_sgd_epsilon {summary['dp_sgd_epsilon']:.4g} at delta "
+                 f"{summary['dp_sgd_delta']:g} ({summary['dp_sgd_relation']}, the largest "
+                 f"over clients): protects {summary['dp_sgd_protects']} against "
+                 f"{summary['dp_sgd_protects_against']}")
     return line + (f"; {summary['stop_reason']}" if summary.get("stop_reason") else "")
 
 

@@ -24,6 +24,7 @@ from client.protocol.train import train_config
 from client.protocol.updates import model_record
 from server.clock import Clock, WallClock
 from server.config import FederationConfig
+from server.dp_sgd import DPSGDLedger
 from server.driver_config import DriverConfig
 from server.reporter import Reporter
 from server.scenario import ServerScenario
@@ -63,6 +64,7 @@ class RunContext:
         self.store = store
         self.reporter = reporter
         self.dp = dp
+        self.dp_sgd = DPSGDLedger(self.config.get("train") or {})  # clients' DP-SGD figures
         self.clock: Clock = clock or WallClock()
         params, layout = task.initial_params()
         self.layout: Layout = layout
@@ -74,13 +76,15 @@ class RunContext:
 
     def train_config(self, server_round: int, compression: str | None = None) -> ConfigRecord:
         """The config every training message carries: round, model version, task, seed, the
-        compression request, FedBN's flag, for client-side centered clipping the centre, and
-        the client momentum (``client.protocol.train.train_config``)."""
+        compression request, FedBN's flag, for client-side centered clipping the centre, the
+        client momentum and, on a resumed run, DP-SGD's prior rounds
+        (``client.protocol.train.train_config``)."""
         return train_config(server_round, self.state.version, self.task_json, self.seed,
                             compression=compression,
                             local_buffers=self.scenario.aggregation.local_buffers,
                             center=self.pipeline.client_center(self.layout.dim),
-                            client_momentum=self.scenario.aggregation.client_momentum)
+                            client_momentum=self.scenario.aggregation.client_momentum,
+                            dp_sgd_prior_rounds=self.dp_sgd.prior_rounds)
 
     def model_record(self) -> ArrayRecord:
         """The current model as the ``arrays`` record of a training message."""

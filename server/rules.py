@@ -44,6 +44,7 @@ def check_rules(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None = N
     check_cross_silo(config)  # before [secagg]: its own message says why the ring refuses it
     check_secagg(config)
     check_audit(config)
+    check_dp_sgd(config)
 
 
 def check_compression(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None) -> None:
@@ -406,3 +407,16 @@ def check_audit(config: Mapping[str, Any]) -> AuditConfig | None:
         raise ValueError("[audit] without DP under secure aggregation needs audit.canary_norm "
                          "> 0: the server sees no single update's norm to size canaries by")
     return audit
+
+
+def check_dp_sgd(config: Mapping[str, Any]) -> None:
+    """``train.dp_sgd_epsilon_budget`` needs each client's DP-SGD figure at the server,
+    which a secure sum does not carry: the run could not stop at the budget."""
+    train = config.get("train", {})
+    if train.get("dp_sgd_epsilon_budget") is None:
+        return
+    if config.get("secagg", {}).get("enabled", False):
+        raise ValueError("train.dp_sgd_epsilon_budget: under secure aggregation the server "
+                         "sees no client's DP-SGD epsilon, so it cannot stop the run at the "
+                         "budget; remove train.dp_sgd_epsilon_budget or set secagg.enabled = "
+                         "false")

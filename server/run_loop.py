@@ -89,6 +89,8 @@ class RunLoop:
         state.history = [r.metrics for r in kept]
         self._earlier_wall_s = sum(r.wall_s for r in kept)
         self.resumed_after = ckpt.round
+        # every recorded update, also those the resumed run discards: their privacy is spent
+        ctx.dp_sgd.restore(u for _, u in ctx.store.updates(run_id))
         ctx.store.reopen_run(run_id, after_round=ckpt.round)
         ctx.reporter.message(f"resuming run {run_id} after round {ckpt.round} "
                              f"(model version {ckpt.model_version})")
@@ -120,6 +122,7 @@ class RunLoop:
         if ctx.clock.simulated:
             metrics["sim_time_s"] = ctx.clock.now()
         metrics.update(result.metrics)
+        metrics.update(ctx.dp_sgd.observe(result.records))  # the clients' DP-SGD figures
         if "bytes_up" not in result.metrics:
             metrics.update(ctx.grid.since_last())  # bytes_up, bytes_down
         self._account_privacy(run_id, rnd, released=applied, metrics=metrics,
@@ -186,7 +189,8 @@ class RunLoop:
     def _should_stop(self) -> bool:
         """Stop before the next round: the privacy budget, the target, the source or too
         many consecutive rounds that applied nothing."""
-        why = self._over_budget() or self.source.stop_reason() or self._too_many_failed()
+        why = (self._over_budget() or self.ctx.dp_sgd.over_budget()
+               or self.source.stop_reason() or self._too_many_failed())
         if why is not None:
             self.stop_reason = f"stopped before round {self.ctx.state.round + 1}: {why}"
             self.ctx.reporter.message(self.stop_reason)
@@ -229,6 +233,7 @@ class RunLoop:
             summary["resumed_after_round"] = self.resumed_after
         if ctx.dp is not None:
             summary.update(ctx.dp.summary())
+        summary.update(ctx.dp_sgd.summary())  # DP-SGD's figure, largest over clients
         if self.audit is not None:  # the one-shot estimate from theta_T - theta_0
             initial, _ = ctx.task.initial_params()
             summary.update(self.audit.summary(state.params - initial))

@@ -155,6 +155,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         privacy += f" at delta {summary['delta']:g}"
     if summary.get("epsilon_audit") is not None:
         privacy += f", epsilon_audit {summary['epsilon_audit']:.3f}"
+    if summary.get("dp_sgd_epsilon") is not None:
+        privacy += (f", dp_sgd_epsilon {summary['dp_sgd_epsilon']:.3f} "
+                    f"({summary['dp_sgd_relation']}, the largest over clients) protecting "
+                    f"{summary['dp_sgd_protects']} against "
+                    f"{summary['dp_sgd_protects_against']} at delta {summary['dp_sgd_delta']:g}")
     central = ", ".join(f"{name} {summary[key]:.4f}" for name, key in
                         (("accuracy", "final_accuracy"), ("loss", "final_loss"))
                         if summary.get(key) is not None) or "no central evaluation"

@@ -54,6 +54,8 @@ class RichReporter(Reporter):
                 f"acc {metrics.get('accuracy', float('nan')):.4f}")
         if "epsilon" in metrics:  # privacy spent so far, after every round
             info += f"  eps {metrics['epsilon']:.3g}"
+        if "dp_sgd_epsilon" in metrics:  # the largest client's DP-SGD figure (sample-level)
+            info += f"  dp-sgd eps {metrics['dp_sgd_epsilon']:.3g}"
         self.progress.update(self._rounds, completed=rnd, info=info)
 
     def message(self, text: str) -> None:

@@ -38,6 +38,7 @@ class ConfigKey(Names):
     CENTER = "fedring.center"  # client-side centered clipping: the centre, float32 LE bytes
     CLIP_RADIUS = "fedring.clip-radius"  # and the radius to clip to around it (train.py)
     CLIENT_MOMENTUM = "fedring.client-momentum"  # beta: send momentum, not the delta
+    DP_SGD_PRIOR_ROUNDS = "fedring.dp-sgd-prior-rounds"  # resumed run: DP-SGD rounds before
 
 
 class MetricKey(Names):

@@ -14,13 +14,15 @@ from client.protocol.keys import REPLY_DELTA, ConfigKey
 def train_config(server_round: int, version: int, task_json: str, seed: int, *,
                  compression: str | None = None, local_buffers: bool = False,
                  center: tuple[np.ndarray, float] | None = None,
-                 client_momentum: float = 0.0) -> ConfigRecord:
+                 client_momentum: float = 0.0, dp_sgd_prior_rounds: int = 0) -> ConfigRecord:
     """The train config asking for a delta: the round, the model version sent, the task's
     JSON, the run seed, for compressed uploads the request's JSON
     (``CompressionRequest.to_json``), with FedBN ``local_buffers``; ``center``: the centre
     and radius each client clips its delta around before it replies (client-side centered
     clipping); ``client_momentum`` beta > 0: each client sends its momentum over its own
-    deltas (``client.momentum``)."""
+    deltas (``client.momentum``); ``dp_sgd_prior_rounds`` > 0 (a resumed run): the DP-SGD
+    rounds any client may have trained before, which a client that lost its state composes
+    (``client.dp_sgd``)."""
     config = ConfigRecord({ConfigKey.SERVER_ROUND: server_round, ConfigKey.VERSION: version,
                            ConfigKey.REPLY: REPLY_DELTA, ConfigKey.TASK: task_json,
                            ConfigKey.SEED: seed})
@@ -34,7 +36,19 @@ def train_config(server_round: int, version: int, task_json: str, seed: int, *,
         config[ConfigKey.CLIP_RADIUS] = float(radius)
     if client_momentum:
         config[ConfigKey.CLIENT_MOMENTUM] = float(client_momentum)
+    if dp_sgd_prior_rounds:
+        config[ConfigKey.DP_SGD_PRIOR_ROUNDS] = int(dp_sgd_prior_rounds)
     return config
+
+
+def read_dp_sgd_prior_rounds(config: ConfigRecord) -> int:
+    """The DP-SGD rounds a train config says a client may have trained before (0: none
+    said); WireError when malformed."""
+    rounds = config.get(ConfigKey.DP_SGD_PRIOR_ROUNDS, 0)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise WireError(f"config '{ConfigKey.DP_SGD_PRIOR_ROUNDS}' must be an integer >= 0, "
+                        f"got {rounds!r}")
+    return rounds
 
 
 def read_client_momentum(config: ConfigRecord) -> float:

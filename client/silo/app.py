@@ -37,6 +37,7 @@ from flwr.clientapp import ClientApp
 from aggregation.ring import RingError, RingTimeout
 from client import local_state
 from client.app import FedringClient, LocalUpdate, noise_rng, record_of, training_seed
+from client.dp_sgd import dp_sgd_round
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
 from client.protocol.gossip import GOSSIP_ACTION, GossipMetric, GossipSpec
@@ -51,12 +52,13 @@ from client.protocol.ring import (
     ring_spec,
 )
 from client.protocol.secagg import SecAggKey, SecAggRecord
+from client.protocol.train import read_dp_sgd_prior_rounds
 from client.protocol.updates import delta_record, flatten_model, model_views
 from client.secure_client import SecureClient, register_secagg
 from client.silo.gossip import HeldModel, holdout_split, mix
 from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
-from client.training import evaluate, train, train_dp_sgd
+from client.training import evaluate, train
 from privacy.dp import local_dp_update
 from privacy.secagg.messages import decode_masked_input
 
@@ -211,8 +213,10 @@ class SiloClient(FedringClient):
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
         if self.group is not None and self.group.size > 1:
             loss = self.group.train(worker, key, pid, seed, holdout)
-        elif cfg.dp_sgd:
-            loss, metrics["dp_sgd_epsilon"] = train_dp_sgd(worker.module, x, y, cfg)
+        elif cfg.dp_sgd:  # composed with this silo's earlier rounds
+            loss, figures = dp_sgd_round(worker.module, x, y, cfg, context.state,
+                                         read_dp_sgd_prior_rounds(config))
+            metrics.update(figures)
         else:
             start_params = ([p.detach().clone() for p in worker.module.parameters()]
                             if cfg.proximal_mu > 0 else None)

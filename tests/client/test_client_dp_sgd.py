@@ -5,9 +5,12 @@ from __future__ import annotations
 import dp_accounting
 import pytest
 import torch
+from flwr.app import RecordDict
 
+from client.dp_sgd import DPSGDBudgetExceeded, dp_sgd_round
 from client.flat_model import FlatModel
-from client.training import TrainConfig, train, train_dp_sgd
+from client.training import TrainConfig, dp_sgd_round_steps, train, train_dp_sgd
+from simulations.config import load_scenario
 
 
 def _data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,3 +81,96 @@ def test_bad_dp_sgd_settings_fail_with_a_message():
         TrainConfig(dp_sgd_noise_multiplier=1.0, dp_sgd_max_grad_norm=0.0)
     with pytest.raises(ValueError, match="proximal_mu = 0"):
         TrainConfig(dp_sgd_noise_multiplier=1.0, proximal_mu=0.1)
+
+
+# ---- composed over a client's rounds, in its node state
+
+def _rounds_epsilon(n: int, batch: int, epochs: int, rounds: int, z: float,
+                    delta: float) -> float:
+    """dp_accounting over ``rounds`` rounds of DP-SGD: each round is epochs * n / batch
+    steps of the Gaussian at z sampled with probability q = batch / n per example
+    (add/remove one example moves the clipped sum by C)."""
+    acc = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    event = dp_accounting.PoissonSampledDpEvent(batch / n, dp_accounting.GaussianDpEvent(z))
+    acc.compose(event, rounds * epochs * round(n / batch))
+    return acc.get_epsilon(delta)
+
+
+def test_node_state_composes_the_clients_rounds():
+    x, y = _data(80)
+    cfg = TrainConfig(local_epochs=2, batch_size=20, dp_sgd_noise_multiplier=1.1)
+    state, model = RecordDict(), _model()
+    for k in (1, 2, 3):
+        _, figures = dp_sgd_round(model.module, x, y, cfg, state)
+        assert figures["dp_sgd_rounds"] == k and figures["dp_sgd_round_steps"] == 2 * 4
+        assert figures["dp_sgd_epsilon"] == pytest.approx(
+            _rounds_epsilon(80, 20, 2, k, 1.1, 1e-5), rel=1e-9)
+        assert figures["dp_sgd_epsilon_next"] == pytest.approx(
+            _rounds_epsilon(80, 20, 2, k + 1, 1.1, 1e-5), rel=1e-9)
+    _, fresh = dp_sgd_round(model.module, x, y, cfg, RecordDict())  # another node: its own
+    assert fresh["dp_sgd_rounds"] == 1
+
+
+def test_prior_rounds_can_raise_a_clients_history_never_lower_it():
+    x, y = _data(80)
+    cfg = TrainConfig(batch_size=20, dp_sgd_noise_multiplier=1.1)
+    model = _model()
+    _, forgot = dp_sgd_round(model.module, x, y, cfg, RecordDict(), prior_rounds=2)
+    assert forgot["dp_sgd_rounds"] == 3  # a node that lost its state composes the 2 it forgot
+    assert forgot["dp_sgd_epsilon"] == pytest.approx(_rounds_epsilon(80, 20, 1, 3, 1.1, 1e-5),
+                                                     rel=1e-9)
+    state = RecordDict()
+    for _ in range(3):
+        dp_sgd_round(model.module, x, y, cfg, state)
+    _, kept = dp_sgd_round(model.module, x, y, cfg, state, prior_rounds=1)
+    assert kept["dp_sgd_rounds"] == 4  # its own history is longer: the server cannot lower it
+
+
+def test_a_round_past_the_budget_is_refused_before_training_and_not_charged():
+    x, y = _data(80)
+    one = _rounds_epsilon(80, 20, 1, 1, 1.1, 1e-5)
+    two = _rounds_epsilon(80, 20, 1, 2, 1.1, 1e-5)
+    cfg = TrainConfig(batch_size=20, dp_sgd_noise_multiplier=1.1,
+                      dp_sgd_epsilon_budget=(one + two) / 2)
+    state, model = RecordDict(), _model()
+    dp_sgd_round(model.module, x, y, cfg, state)
+    before = model.vector().copy()
+    with pytest.raises(DPSGDBudgetExceeded, match=r"train\.dp_sgd_epsilon_budget"):
+        dp_sgd_round(model.module, x, y, cfg, state)
+    assert (model.vector() == before).all()  # not trained
+    with pytest.raises(DPSGDBudgetExceeded) as refused:
+        dp_sgd_round(model.module, x, y, cfg, state)  # still one round spent, still refused
+    assert "over 1 rounds" in str(refused.value)
+
+
+def test_every_step_is_taken_also_on_an_empty_batch(monkeypatch):
+    """Each step is one Poisson-sampled Gaussian: an empty draw still adds noise, so the
+    steps accounted are the steps taken."""
+    from opacus.optimizers import DPOptimizer
+    taken = []
+    step = DPOptimizer.step
+    monkeypatch.setattr(DPOptimizer, "step", lambda self, *a, **k: (taken.append(1),
+                                                                    step(self, *a, **k))[1])
+    x, y = _data(64)
+    cfg = TrainConfig(batch_size=1, dp_sgd_noise_multiplier=1.0)  # q = 1/64: ~37% empty
+    model = _model()
+    train_dp_sgd(model.module, x, y, cfg)
+    assert len(taken) == dp_sgd_round_steps(64, cfg) == 64
+
+
+def test_dp_sgd_budget_is_checked_at_start_naming_the_key():
+    with pytest.raises(ValueError, match=r"train\.dp_sgd_noise_multiplier > 0"):
+        TrainConfig(dp_sgd_epsilon_budget=1.0)
+    for bad in (0.0, -1.0, float("inf"), "2"):
+        with pytest.raises(ValueError, match=r"train\.dp_sgd_epsilon_budget must be"):
+            TrainConfig(dp_sgd_noise_multiplier=1.0, dp_sgd_epsilon_budget=bad)
+    with pytest.raises(ValueError, match=r"train\.dp_sgd_epsilon_budget"):
+        load_scenario("default", ["train.dp_sgd_epsilon_budget=3.0"])
+    cfg = load_scenario("default", ["train.dp_sgd_noise_multiplier=1.0",
+                                    "train.dp_sgd_epsilon_budget=3"])
+    assert cfg["train"]["dp_sgd_epsilon_budget"] == 3.0
+    with pytest.raises(ValueError, match="under secure aggregation the server sees no"):
+        load_scenario("default", ["train.dp_sgd_noise_multiplier=1.0", "secagg.enabled=true",
+                                  'aggregation.weight_by="uniform"',
+                                  "train.dp_sgd_epsilon_budget=3"])
