@@ -24,23 +24,31 @@ the aggregation pipeline:
 The noise generator is seeded from the operating system, never from the run seed:
 DP noise that can be replayed from public values protects nothing.
 
-Whom each epsilon protects against (``epsilon`` is the one ``dp.epsilon_budget`` caps):
+Whom each epsilon protects against, and under which neighbouring relation
+(:func:`figure_specs`; every figure carries its relation to the ledger, the summary and
+the report):
 
-- central DP: consumers of the released model (the server is trusted). It is amplified by
-  the round's sampling only while the cohort draw is secret: cohorts are then drawn from
-  operating-system entropy (:attr:`DPController.secret_cohorts`). With
-  ``dp.reproducible_cohorts = true`` the stored seed replays who took part, so no
-  amplification is claimed.
-- local and distributed DP: the server, which picks and addresses the cohort, so never
-  amplified. A second figure, ``epsilon_model``, is stated against consumers of the
-  released model, amplified by the secret draw (absent with reproducible cohorts, where
-  it would equal ``epsilon``). Local DP's model figure charges each client's own noised
-  update (multiplier z), whatever the others add.
+- central DP: consumers of the released model (the server is trusted). ``epsilon`` is
+  amplified by the round's sampling only while the cohort draw is secret: cohorts are
+  then drawn from operating-system entropy (:attr:`DPController.secret_cohorts`); it is
+  replace-one under fixed-size sampling, add/remove-one under Poisson sampling, every
+  client in every round or ``dp.reproducible_cohorts = true`` (the stored seed replays
+  who took part: no amplification).
+- local and distributed DP: the server, which picks the cohort and sees who replied, so
+  never amplified, under zero-out (a client's contribution moved between its value and
+  zero, its participation known; the Gaussian at z). A second figure,
+  ``epsilon_model``, is stated against consumers of the released model, amplified by
+  a secret fixed-size draw. Not under Poisson sampling: each client adds its own noise,
+  so the model change's size reveals how many took part, which amplification by
+  Poisson sampling assumes secret. Local DP's model figure charges each client's own
+  noised update (multiplier z), whatever the others add.
+- wherever ``epsilon`` is not replace-one, ``epsilon_replace_one`` states it against the
+  same party under replace-one (the sum moves by 2C): fixed-size from dp_accounting's
+  RDP accountant, Poisson from its PLD accountant, unsampled as the Gaussian at z / 2.
 
-With fixed-size sampling of every client in every round (``sample_fraction = 1``, or a
-``min_clients`` floor at ``clients``) nothing is sampled: every figure is the plain
-Gaussian under add/remove, as for reproducible cohorts, and no ``epsilon_model`` is
-stated (it would equal ``epsilon``).
+``dp.epsilon_budget`` caps the figure against ``epsilon``'s party under
+``dp.budget_relation`` (default replace-one), so one budget means one thing whatever the
+sampling and whether cohorts are secret.
 
 The sampling accounted is the sampling that happened. Fixed-size sampling is charged per
 round against the population the cohort was actually drawn from (the eligible nodes) and
@@ -65,24 +73,76 @@ import numpy as np
 from aggregation import Candidate, PostStage, UpdateStage
 from privacy.dp import AdaptiveClip, DistributedDPPlan, DPConfig, central_dp_mean
 from privacy.dp.distributed import MAX_BITS, plan_distributed_dp
+from privacy.dp.relations import ADD_REMOVE, REPLACE_ONE, ZERO_OUT
 from server.config import FederationConfig
 
 
 @dataclass(frozen=True)
 class RoundPrivacy:
-    """What one released aggregate cost and where the run stands."""
+    """What one released aggregate cost and where the run stands: every figure with the
+    neighbouring relation it is stated for."""
 
     epsilon: float
     delta: float
     noise_multiplier: float
     clip: float
     sampling_rate: float
-    protects_against: str  # whom ``epsilon`` is stated against
+    protects_against: str  # whom ``epsilon`` and ``epsilon_replace_one`` are stated against
+    relation: str = ADD_REMOVE  # ``epsilon``'s
+    epsilon_replace_one: float | None = None  # against the same party, where ``relation`` differs
     epsilon_model: float | None = None  # against the released model's consumers, if it differs
+    relation_model: str | None = None
 
 
 SERVER = "server"
 RELEASED_MODEL = "released model"
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    """One epsilon a run reports: its key, whom it protects against, its relation and the
+    sampling its accountant charges ("fixed", "poisson" or "none": no amplification)."""
+
+    key: str
+    against: str
+    relation: str
+    sampling: str
+
+
+def figure_specs(dp: DPConfig, *, sampling: str, sampled: bool) -> list[FigureSpec]:
+    """The figures a run with ``dp`` reports, first ``epsilon`` (see the module docstring).
+
+    ``sampled``: whether a round's cohort is a proper random subset (False when every
+    client takes part in every round). Amplification needs a secret draw and, for the
+    released model under local and distributed DP, a fixed cohort size: there each client
+    adds its own noise, so the model change's size tells how many took part, which a
+    Poisson draw keeps secret only in name.
+    """
+    amplified = sampled and not dp.reproducible_cohorts
+    if dp.mode == "central":
+        if amplified and sampling == "fixed":
+            return [FigureSpec("epsilon", RELEASED_MODEL, REPLACE_ONE, "fixed")]
+        how = sampling if amplified else "none"
+        return [FigureSpec("epsilon", RELEASED_MODEL, ADD_REMOVE, how),
+                FigureSpec("epsilon_replace_one", RELEASED_MODEL, REPLACE_ONE, how)]
+    specs = [FigureSpec("epsilon", SERVER, ZERO_OUT, "none"),
+             FigureSpec("epsilon_replace_one", SERVER, REPLACE_ONE, "none")]
+    if amplified and sampling == "fixed":
+        specs.append(FigureSpec("epsilon_model", RELEASED_MODEL, REPLACE_ONE, "fixed"))
+    return specs
+
+
+def budget_spec(dp: DPConfig, specs: list[FigureSpec]) -> FigureSpec:
+    """The figure ``dp.epsilon_budget`` caps: against ``epsilon``'s party, under
+    ``dp.budget_relation``; ValueError naming the key when the run has no such figure."""
+    against = specs[0].against
+    for spec in specs:
+        if spec.against == against and spec.relation == dp.budget_relation:
+            return spec
+    have = ", ".join(sorted({s.relation for s in specs if s.against == against}))
+    raise ValueError(f"dp.budget_relation = {dp.budget_relation!r}: this run states no "
+                     f"figure against the {against} under it (it has: {have}); set "
+                     f"dp.budget_relation to one of those")
 
 
 class DPController:
@@ -114,29 +174,31 @@ class DPController:
         self.plan: DistributedDPPlan | None = None  # distributed DP, once the model is known
         # the multiplier a full round is charged (distributed DP: the plan's effective one)
         self.round_noise_multiplier = config.noise_multiplier
+        rate = clients_per_round / clients if sampling_rate is None else sampling_rate
+        sampled = rate < 1.0 if sampling == "poisson" else clients_per_round < clients
+        self.specs = figure_specs(config, sampling=sampling, sampled=sampled)
+        self.budget = budget_spec(config, self.specs)
         z, delta, kind = config.noise_multiplier, config.delta, config.accountant
-        unamplified = PrivacyAccountant(z, delta=delta, sampling="none", accountant=kind)
-        if sampling == "fixed" and clients_per_round >= clients:
-            # every client in every round: no sampling to amplify, and the sum over all
-            # clients moves by C when one is added or removed
-            amplified = unamplified
-        elif sampling == "poisson":
-            rate = clients_per_round / clients if sampling_rate is None else sampling_rate
-            amplified = PrivacyAccountant(z, delta=delta, sampling_rate=rate, accountant=kind)
-        else:
-            amplified = PrivacyAccountant(z, delta=delta, sampling="fixed",
-                                          clients_per_round=clients_per_round,
-                                          population=clients, accountant=kind)
-        secret = self.secret_cohorts
-        if config.mode == "central":
-            self.protects_against = RELEASED_MODEL
-            self.accountant = amplified if secret else unamplified
-            self.model_accountant: PrivacyAccountant | None = None
-        else:  # local, distributed: the server knows the cohort it drew
-            self.protects_against = SERVER
-            self.accountant = unamplified
-            self.model_accountant = amplified if secret and amplified is not unamplified \
-                else None
+
+        def accountant(spec: FigureSpec) -> PrivacyAccountant:
+            if spec.sampling == "fixed":
+                return PrivacyAccountant(z, delta=delta, sampling="fixed", accountant=kind,
+                                         clients_per_round=clients_per_round,
+                                         population=clients)
+            if spec.sampling == "poisson":  # replace-one Poisson: PLD only in dp_accounting
+                how = "pld" if spec.relation == REPLACE_ONE else kind
+                return PrivacyAccountant(z, delta=delta, sampling_rate=rate, accountant=how,
+                                         relation=spec.relation)
+            return PrivacyAccountant(z, delta=delta, sampling="none", accountant=kind,
+                                     relation=spec.relation)
+
+        self.accountants = {spec.key: accountant(spec) for spec in self.specs}
+        self.protects_against = self.specs[0].against
+
+    @property
+    def accountant(self) -> Any:
+        """The accountant of ``epsilon``."""
+        return self.accountants["epsilon"]
 
     @property
     def secret_cohorts(self) -> bool:
@@ -147,12 +209,17 @@ class DPController:
     @property
     def relation(self) -> str:
         """The neighbouring relation of ``epsilon``."""
-        return self.accountant.relation
+        return self.specs[0].relation
 
     @property
     def model_relation(self) -> str | None:
         """The neighbouring relation of ``epsilon_model`` (None without one)."""
-        return self.model_accountant.relation if self.model_accountant is not None else None
+        return next((s.relation for s in self.specs if s.key == "epsilon_model"), None)
+
+    def figure_labels(self) -> dict[str, str]:
+        """Each figure's key with whom it protects against and its relation, e.g.
+        ``{"epsilon": "against the server, zero-out", ...}``."""
+        return {s.key: f"against the {s.against}, {s.relation}" for s in self.specs}
 
     def note_cohort(self, population: int, cohort: int) -> None:
         """The round's cohort of ``cohort`` clients was drawn from ``population`` eligible
@@ -180,7 +247,7 @@ class DPController:
         budget = self.config.epsilon_budget
         if budget is None:
             return None
-        after = self.accountant.epsilon_after(1, noise_multiplier)
+        after = self.accountants[self.budget.key].epsilon_after(1, noise_multiplier)
         return after if after > budget else None
 
     def plan_distributed(self, *, dim: int, bits: int, max_clients: int) -> DistributedDPPlan:
@@ -218,7 +285,7 @@ class DPController:
         clip = self.clip
         z = self.round_noise_multiplier if noise_multiplier is None else noise_multiplier
         if released:
-            for accountant in self._accountants():
+            for accountant in self.accountants.values():
                 population, cohort = (self._cohort if accountant.sampling == "fixed"
                                       and self._cohort is not None else (None, None))
                 accountant.step(noise_multiplier=z, population=population, cohort=cohort)
@@ -227,61 +294,72 @@ class DPController:
                                      reported=self._reported)
         self._below = self._reported = 0
         self._cohort = None
-        return RoundPrivacy(epsilon=self.epsilon(), delta=self.config.delta,
+        figures = self.figures()
+        return RoundPrivacy(epsilon=figures["epsilon"], delta=self.config.delta,
                             noise_multiplier=z, clip=clip,
                             sampling_rate=self.accountant.sampling_rate,
-                            protects_against=self.protects_against,
-                            epsilon_model=self.epsilon_model())
+                            protects_against=self.protects_against, relation=self.relation,
+                            epsilon_replace_one=figures.get("epsilon_replace_one"),
+                            epsilon_model=figures.get("epsilon_model"),
+                            relation_model=self.model_relation)
+
+    def figures(self) -> dict[str, float]:
+        """Every figure spent so far, by key (see :func:`figure_specs`)."""
+        return {key: float(acc.epsilon()) if acc.rounds else 0.0
+                for key, acc in self.accountants.items()}
 
     def epsilon(self) -> float:
-        """Epsilon against :attr:`protects_against` (what the budget caps)."""
-        return float(self.accountant.epsilon()) if self.accountant.rounds else 0.0
+        """Epsilon against :attr:`protects_against` under :attr:`relation`."""
+        return self.figures()["epsilon"]
+
+    def budget_epsilon(self) -> float:
+        """The figure ``dp.epsilon_budget`` caps (under ``dp.budget_relation``)."""
+        return self.figures()[self.budget.key]
 
     def epsilon_model(self) -> float | None:
         """Epsilon against the released model's consumers, where it differs from
-        :meth:`epsilon` (local and distributed DP with secret cohorts); else None."""
-        acc = self.model_accountant
-        if acc is None:
-            return None
-        return float(acc.epsilon()) if acc.rounds else 0.0
+        :meth:`epsilon` (local and distributed DP with secret fixed-size cohorts); else
+        None."""
+        return self.figures().get("epsilon_model")
 
     def summary(self) -> dict[str, Any]:
-        """The run summary's privacy keys."""
-        out: dict[str, Any] = {"epsilon": self.epsilon(), "delta": self.config.delta,
+        """The run summary's privacy keys: each figure with its relation."""
+        figures = self.figures()
+        out: dict[str, Any] = {"epsilon": figures["epsilon"], "delta": self.config.delta,
                                "dp_mode": self.config.mode,
                                "protects_against": self.protects_against,
-                               "relation": self.relation}
-        model = self.epsilon_model()
-        if model is not None:
-            out.update(epsilon_model=model, relation_model=self.model_relation)
+                               "relation": self.relation,
+                               "budget_relation": self.budget.relation}
+        if "epsilon_replace_one" in figures:
+            out["epsilon_replace_one"] = figures["epsilon_replace_one"]
+        if "epsilon_model" in figures:
+            out.update(epsilon_model=figures["epsilon_model"],
+                       relation_model=self.model_relation)
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"accountant": self.accountant.state_dict()}
-        if self.model_accountant is not None:
-            state["model_accountant"] = self.model_accountant.state_dict()
+        state: dict[str, Any] = {"figures": {key: acc.state_dict()
+                                             for key, acc in self.accountants.items()}}
         if self.adaptive is not None:
             state["adaptive_clip"] = self.adaptive.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the accountants and the clip. A state saved before the accountants were
-        split by adversary (no ``model_accountant`` key) replays its runs of ``(z, rounds)``
-        into each accountant."""
-        legacy = self.config.mode != "central" and "model_accountant" not in state
-        if legacy:  # local and distributed DP were accounted with one accountant
-            for accountant in self._accountants():
-                for z, n, *_ in state["accountant"]["history"]:
-                    accountant.step(n, z)
-        else:
-            self.accountant.load_state_dict(state["accountant"])
-            if self.model_accountant is not None:
-                self.model_accountant.load_state_dict(state["model_accountant"])
+        """Restore the accountants and the clip. A state saved before every figure had its
+        own accountant replays the rounds of its first accountant (``(z, rounds)`` runs,
+        and the cohorts of fixed-size runs where the figure is fixed-size) into each."""
+        if "figures" in state:
+            for key, acc in self.accountants.items():
+                acc.load_state_dict(state["figures"][key])
+        else:  # older states: one accountant, or one per adversary
+            for acc in self.accountants.values():
+                source = state.get("model_accountant") if acc.sampling == "fixed" else None
+                for z, n, *cohort in (source or state["accountant"])["history"]:
+                    population, size = cohort if acc.sampling == "fixed" and cohort \
+                        else (None, None)
+                    acc.step(n, z, population=population, cohort=size)
         if self.adaptive is not None and "adaptive_clip" in state:
             self.adaptive.load_state_dict(state["adaptive_clip"])
-
-    def _accountants(self) -> list[Any]:
-        return [a for a in (self.accountant, self.model_accountant) if a is not None]
 
     def stages(self) -> tuple[list[UpdateStage], list[PostStage]]:
         """The pipeline stages central DP adds (none for local DP, which runs on clients)."""
@@ -315,17 +393,6 @@ class CentralNoise(PostStage):
         c = self.controller
         return central_dp_mean(aggregate, c.clients_per_round, c.clip,
                                c.update_noise_multiplier, c.rng)
-
-
-def figure_relations(dp: DPConfig, sampling: str) -> tuple[str, str | None]:
-    """The neighbouring relations of a run's ``epsilon`` and ``epsilon_model`` (None when
-    there is no model figure), as :class:`DPController` states them, from its config."""
-    from privacy.dp.accountant import relation
-
-    secret = not dp.reproducible_cohorts
-    if dp.mode == "central":
-        return relation(sampling if secret else "none"), None
-    return relation("none"), relation(sampling) if secret else None
 
 
 def dp_controller(dp: DPConfig, fed: FederationConfig) -> DPController:

@@ -128,6 +128,7 @@ def _attackers(config: dict[str, Any]) -> list[int] | None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from server.reporter import summary_relations
     from server.store import Store
     from simulations.progress import RichReporter
 
@@ -147,11 +148,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         summary["attackers"] = attackers
     privacy = ""
     if "epsilon" in summary:
-        privacy = (f", epsilon {summary['epsilon']:.3f} against the "
-                   f"{summary['protects_against']}")
+        relations = summary_relations(summary)
+        privacy = (f", epsilon {summary['epsilon']:.3f} ({relations['epsilon']}) against "
+                   f"the {summary['protects_against']}")
+        if "epsilon_replace_one" in summary:
+            privacy += (f", epsilon_replace_one {summary['epsilon_replace_one']:.3f} "
+                        "(replace-one)")
         if "epsilon_model" in summary:
-            privacy += (f", epsilon_model {summary['epsilon_model']:.3f} against the "
-                        "released model")
+            privacy += (f", epsilon_model {summary['epsilon_model']:.3f} "
+                        f"({relations['epsilon_model']}) against the released model")
         privacy += f" at delta {summary['delta']:g}"
     if summary.get("epsilon_audit") is not None:
         privacy += f", epsilon_audit {summary['epsilon_audit']:.3f}"
@@ -220,7 +225,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     with Store(args.db, create=False) as store:
         info = store.get_run(args.run_id)
         rows = round_table(store.rounds(args.run_id), store.secagg_rounds(args.run_id))
-        privacy = privacy_summary(store.privacy_ledger(args.run_id), info.config)
+        privacy = privacy_summary(store.privacy_ledger(args.run_id))
         path = None if args.json else plot_run(store, args.run_id, Path(args.out))
     if args.json:
         print(json.dumps({**run_row(info), "summary": info.summary, "privacy": privacy,

@@ -31,6 +31,15 @@ with dropouts) or cohort is accounted exactly and the state survives a restart. 
 adaptive clipping pass the TOTAL z (update noise and count noise together, see
 :func:`privacy.dp.clipping.combined_noise_multiplier`); for distributed DP pass the
 plan's ``effective_noise_multiplier``. Both are add/remove multipliers like ``z``.
+
+Every accountant states one neighbouring relation (:attr:`PrivacyAccountant.relation`),
+by default its sampling's natural one (above). ``relation="replace-one"`` asks for the
+replace-one figure under any sampling: fixed as above; Poisson through dp_accounting's PLD
+accountant under REPLACE_ONE, whose Gaussian shifts each record by +-sensitivity (so
+``GaussianDpEvent(z)`` there already means the sum moves by 2C); unsampled as
+``GaussianDpEvent(z / 2)``. ``relation="zero-out"`` (one client's contribution replaced by
+zero, its participation known: what a server that sees who replied faces) exists only
+unsampled, where it is ``GaussianDpEvent(z)``: numerically the add/remove figure.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from privacy.dp import _checks
+from privacy.dp.relations import ADD_REMOVE, RELATIONS, REPLACE_ONE, ZERO_OUT, relation
 
 SAMPLINGS = ("poisson", "fixed", "none")
 ACCOUNTANTS = ("rdp", "pld")
@@ -55,11 +65,6 @@ REPLACE_ONE_FACTOR = 2.0  # replacing one client moves the sum twice as far as r
 # One run of rounds: (z, rounds, population, cohort); population and cohort are None
 # unless sampling is "fixed".
 Run = tuple[float, int, int | None, int | None]
-
-
-def relation(sampling: str) -> str:
-    """The neighbouring relation an epsilon under ``sampling`` is stated for."""
-    return "replace-one" if sampling == "fixed" else "add/remove-one"
 
 
 class PrivacyAccountant:
@@ -75,11 +80,13 @@ class PrivacyAccountant:
         population: int | None = None,
         sampling: str = "poisson",
         accountant: str = "rdp",
+        relation: str | None = None,
     ) -> None:
         self.noise_multiplier = _checks.non_negative("noise_multiplier", noise_multiplier)
         self.delta = _checks.open_unit("delta", delta)
         self.sampling = _checks.choice("sampling", sampling, SAMPLINGS)
         self.accountant = _checks.choice("accountant", accountant, ACCOUNTANTS)
+        self._relation = _relation_for(self.sampling, self.accountant, relation)
         self.population: int | None = None
         self.clients_per_round: int | None = None
         if self.sampling == "fixed":
@@ -126,7 +133,12 @@ class PrivacyAccountant:
     @property
     def relation(self) -> str:
         """The neighbouring relation this accountant's epsilon is stated for."""
-        return relation(self.sampling)
+        return self._relation
+
+    @property
+    def dp_relation(self) -> dp_accounting.NeighboringRelation:
+        """The relation to compose :meth:`dp_event` under in dp_accounting."""
+        return _dp_relation(self.sampling, self._relation)
 
     # -- rounds -------------------------------------------------------------------------
 
@@ -194,7 +206,9 @@ class PrivacyAccountant:
         """A cheap starting point for the search; only its speed depends on it."""
         if self.accountant == "rdp":
             return 1
-        rdp_key = ("rdp", *self._key()[1:])
+        # RDP has no Poisson replace-one event: the add/remove curve only seeds the search
+        guide = ADD_REMOVE if self.sampling == "poisson" else self._relation
+        rdp_key = ("rdp", self.sampling, self.sampling_rate, guide)
 
         def rdp_fits(extra: int) -> bool:
             history = tuple(_extend(self._history, self._run(z, extra)))
@@ -210,10 +224,11 @@ class PrivacyAccountant:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The composed DpEvent of all rounds so far (for a ledger); compose it under
-        :attr:`relation` (REPLACE_ONE for fixed sampling)."""
+        :attr:`dp_relation`."""
         return dp_accounting.ComposedDpEvent(
             [dp_accounting.SelfComposedDpEvent(_round_event(self.sampling, self.sampling_rate,
-                                                            z, population, cohort), n)
+                                                            z, population, cohort,
+                                                            self._relation), n)
              for z, n, population, cohort in self._history]
         )
 
@@ -228,12 +243,18 @@ class PrivacyAccountant:
             "sampling": self.sampling,
             "sampling_rate": self.sampling_rate,
             "accountant": self.accountant,
+            "relation": self._relation,
             "delta": self.delta,
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore the rounds; refuses a state saved under a different sampling. A fixed
-        sampling's runs saved as ``[z, n]`` (older states) take the constructor's cohort."""
+        sampling's runs saved as ``[z, n]`` (older states) take the constructor's cohort.
+        A state saved without a relation was saved under its sampling's natural one."""
+        saved_relation = state.get("relation", relation(str(state.get("sampling"))))
+        if saved_relation != self._relation:
+            raise ValueError(f"saved accountant state is stated for {saved_relation!r}, but "
+                             f"this accountant is for {self._relation!r}")
         if state.get("sampling") != self.sampling or not math.isclose(
             float(state.get("sampling_rate", -1.0)), self.sampling_rate, rel_tol=1e-12
         ):
@@ -278,7 +299,32 @@ class PrivacyAccountant:
         return _cached_epsilon(self._key(), history, delta)
 
     def _key(self) -> tuple[object, ...]:
-        return (self.accountant, self.sampling, self.sampling_rate)
+        return (self.accountant, self.sampling, self.sampling_rate, self._relation)
+
+
+def _relation_for(sampling: str, accountant: str, asked: str | None) -> str:
+    """The relation an accountant states: ``asked``, or its sampling's natural one;
+    ValueError for a pair dp_accounting cannot account."""
+    natural = relation(sampling)
+    chosen = natural if asked is None else _checks.choice("relation", asked, RELATIONS)
+    if sampling == "fixed" and chosen != REPLACE_ONE:
+        raise ValueError("sampling='fixed' (without replacement) is accounted under "
+                         "replace-one only")
+    if chosen == ZERO_OUT and sampling != "none":
+        raise ValueError("relation='zero-out' (participation known) takes sampling='none'")
+    if sampling == "poisson" and chosen == REPLACE_ONE and accountant != "pld":
+        raise ValueError("Poisson sampling under replace-one needs accountant='pld' "
+                         "(dp_accounting's RDP accountant has no such event)")
+    return chosen
+
+
+def _dp_relation(sampling: str, chosen: str) -> dp_accounting.NeighboringRelation:
+    """dp_accounting's relation for a round event of :func:`_round_event`: REPLACE_ONE
+    where the event itself is replace-one (fixed; Poisson), else add/remove (an unsampled
+    replace-one round is the add/remove Gaussian at z / 2)."""
+    if sampling == "fixed" or (sampling == "poisson" and chosen == REPLACE_ONE):
+        return _NEIGHBOURS.REPLACE_ONE
+    return _NEIGHBOURS.ADD_OR_REMOVE_ONE
 
 
 def _cohort(population: object, cohort: object) -> tuple[int, int]:
@@ -290,15 +336,16 @@ def _cohort(population: object, cohort: object) -> tuple[int, int]:
 
 
 def _round_event(sampling: str, rate: float, z: float, population: int | None,
-                 cohort: int | None) -> dp_accounting.DpEvent:
-    """One round's DpEvent, with the multiplier for its sampling's neighbouring relation."""
+                 cohort: int | None, chosen: str) -> dp_accounting.DpEvent:
+    """One round's DpEvent, with the multiplier for its relation (see the module
+    docstring), to compose under :func:`_dp_relation`."""
     if sampling == "fixed":
         gaussian = dp_accounting.GaussianDpEvent(z / REPLACE_ONE_FACTOR)
         return dp_accounting.SampledWithoutReplacementDpEvent(population, cohort, gaussian)
-    gaussian = dp_accounting.GaussianDpEvent(z)
     if sampling == "none":
-        return gaussian
-    return dp_accounting.PoissonSampledDpEvent(rate, gaussian)
+        factor = REPLACE_ONE_FACTOR if chosen == REPLACE_ONE else 1.0
+        return dp_accounting.GaussianDpEvent(z / factor)
+    return dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(z))
 
 
 def _extend(history: list[Run], run: Run) -> list[Run]:
@@ -348,49 +395,54 @@ def _largest_fitting(fits: Callable[[int], bool], start: int, limit: int) -> int
 def _cached_epsilon(key: tuple, history: tuple[Run, ...], delta: float) -> float:
     if not history:
         return 0.0
-    accountant, sampling, rate = key
+    accountant, sampling, rate, chosen = key
     if accountant == "pld":
-        return _pld_epsilon(1.0 if sampling == "none" else rate, history, delta)
+        replace = chosen == REPLACE_ONE
+        if sampling == "none":  # unsampled replace-one: the add/remove Gaussian at z / 2
+            factor = REPLACE_ONE_FACTOR if replace else 1.0
+            history = tuple((z / factor, *rest) for z, *rest in history)
+            return _pld_epsilon(1.0, history, delta, False)
+        return _pld_epsilon(rate, history, delta, replace)
     orders = None
     total = None
     for z, n, population, cohort in history:
-        orders, per_round = _rdp_round(sampling, rate, z, population, cohort)
+        orders, per_round = _rdp_round(sampling, rate, z, population, cohort, chosen)
         total = n * per_round if total is None else total + n * per_round
     return float(rdp_lib.compute_epsilon(orders, total, delta)[0])
 
 
 @functools.lru_cache(maxsize=256)
 def _rdp_round(sampling: str, rate: float, z: float, population: int | None,
-               cohort: int | None) -> tuple[np.ndarray, np.ndarray]:
+               cohort: int | None, chosen: str) -> tuple[np.ndarray, np.ndarray]:
     """RDP curve of one round, from dp_accounting's RdpAccountant and the round's DpEvent.
     ``n`` rounds cost ``n`` times it, which is how RdpAccountant composes a count."""
-    neighbours = (_NEIGHBOURS.REPLACE_ONE if sampling == "fixed"
-                  else _NEIGHBOURS.ADD_OR_REMOVE_ONE)
-    rdp = rdp_lib.RdpAccountant(neighboring_relation=neighbours)
-    rdp.compose(_round_event(sampling, rate, z, population, cohort))
+    rdp = rdp_lib.RdpAccountant(neighboring_relation=_dp_relation(sampling, chosen))
+    rdp.compose(_round_event(sampling, rate, z, population, cohort, chosen))
     return rdp.orders, rdp.rdp
 
 
-def _pld_epsilon(rate: float, history: tuple[Run, ...], delta: float) -> float:
+def _pld_epsilon(rate: float, history: tuple[Run, ...], delta: float,
+                 replace: bool) -> float:
     """PLD of Poisson-sampled Gaussian rounds (rate 1: unsampled), built exactly as
     dp_accounting's PLDAccountant builds it for ``PoissonSampledDpEvent(rate,
-    GaussianDpEvent(z))`` composed ``n`` times, with the one-round PLD cached so that
-    what-if queries cost one self-composition."""
+    GaussianDpEvent(z))`` composed ``n`` times (under REPLACE_ONE with ``replace``), with
+    the one-round PLD cached so that what-if queries cost one self-composition."""
     if rate == 0.0:
         return 0.0
     if any(z == 0.0 for z, *_ in history):
         return math.inf
     total = pld_lib.identity(value_discretization_interval=PLD_DISCRETIZATION)
     for z, n, _, _ in history:
-        total = total.compose(_pld_round(rate, z).self_compose(n))
+        total = total.compose(_pld_round(rate, z, replace).self_compose(n))
     return float(total.get_epsilon_for_delta(delta))
 
 
 @functools.lru_cache(maxsize=64)
-def _pld_round(rate: float, z: float) -> pld_lib.PrivacyLossDistribution:
+def _pld_round(rate: float, z: float, replace: bool) -> pld_lib.PrivacyLossDistribution:
     return pld_lib.from_gaussian_mechanism(
         standard_deviation=z,
         value_discretization_interval=PLD_DISCRETIZATION,
         sampling_prob=rate,
-        neighboring_relation=_NEIGHBOURS.ADD_OR_REMOVE_ONE,
+        neighboring_relation=(_NEIGHBOURS.REPLACE_ONE if replace
+                              else _NEIGHBOURS.ADD_OR_REMOVE_ONE),
     )

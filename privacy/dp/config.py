@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 from privacy.dp import _checks
 from privacy.dp.clipping import split_noise_multiplier
+from privacy.dp.relations import RELATIONS, REPLACE_ONE
 
 MODES = ("off", "central", "local", "distributed")
 MECHANISMS = ("gaussian", "discrete_gaussian", "skellam")
@@ -27,6 +28,8 @@ class DPConfig:
     - ``noise_multiplier``: z; noise std = z * clip on the sum. With adaptive clipping it is
       the total, shared between the updates and the count.
     - ``delta``, ``epsilon_budget`` (stop before exceeding it; optional), ``accountant``.
+    - ``budget_relation``: the neighbouring relation of the figure the budget caps
+      (replace-one, the default; add/remove-one; zero-out), against ``epsilon``'s party.
     - ``mechanism``: gaussian for central/local; discrete_gaussian (default) or skellam for
       distributed. ``k_stddevs`` (default: from a 1e-6 wrap probability per round) and
       ``rotation`` tune the distributed plan (``plan_distributed_dp``).
@@ -51,6 +54,7 @@ class DPConfig:
     k_stddevs: float | None = None
     rotation: bool = True
     reproducible_cohorts: bool = False
+    budget_relation: str = REPLACE_ONE
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -72,6 +76,7 @@ class DPConfig:
         if self.epsilon_budget is not None:
             set_(self, "epsilon_budget", _checks.positive("dp.epsilon_budget", self.epsilon_budget))
         _checks.choice("dp.accountant", self.accountant, ACCOUNTANTS)
+        _checks.choice("dp.budget_relation", self.budget_relation, RELATIONS)
         if self.k_stddevs is not None:
             set_(self, "k_stddevs", _checks.positive("dp.k_stddevs", self.k_stddevs))
         for key in ("rotation", "reproducible_cohorts"):

@@ -165,9 +165,11 @@ class CheckpointRow(OneRowPerRound, Base):
 class LedgerRow(OneRowPerRound, Base):
     """The privacy ledger: (epsilon, delta) spent by a run after each round.
 
-    ``epsilon`` is stated against ``protects_against`` ("server" or "released model");
-    ``epsilon_model``, when set, against the released model's consumers (local and
-    distributed DP). Both are NULL-able for rows written before revision 0002.
+    ``epsilon`` is stated against ``protects_against`` ("server" or "released model")
+    under ``relation``; ``epsilon_replace_one``, when set, against the same party under
+    replace-one; ``epsilon_model``, when set, against the released model's consumers
+    (local and distributed DP) under ``relation_model``. NULL in rows written before
+    revision 0002 (adversary, model figure) or 0003 (relations, replace-one figure).
     """
 
     __tablename__ = "privacy_ledger"
@@ -181,6 +183,9 @@ class LedgerRow(OneRowPerRound, Base):
     sampling_rate: Mapped[float] = mapped_column(Float)
     epsilon_model: Mapped[float | None] = mapped_column(Float, nullable=True)
     protects_against: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    relation: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    epsilon_replace_one: Mapped[float | None] = mapped_column(Float, nullable=True)
+    relation_model: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class SecAggRoundRow(OneRowPerRound, Base):

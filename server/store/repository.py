@@ -372,18 +372,26 @@ class Store:
     def record_privacy(self, run_id: str, *, round: int, mode: str, accountant: str,
                        epsilon: float, delta: float, noise_multiplier: float, clip: float,
                        sampling_rate: float, epsilon_model: float | None = None,
-                       protects_against: str | None = None) -> None:
+                       protects_against: str | None = None, relation: str | None = None,
+                       epsilon_replace_one: float | None = None,
+                       relation_model: str | None = None) -> None:
         """Record the (epsilon, delta) a run has spent after ``round`` (replaces a re-record):
-        ``epsilon`` against ``protects_against``, ``epsilon_model`` (optional) against the
-        released model's consumers."""
+        ``epsilon`` against ``protects_against`` under ``relation``, ``epsilon_replace_one``
+        (optional) against the same party under replace-one, ``epsilon_model`` (optional)
+        against the released model's consumers under ``relation_model``."""
         values: dict[str, Any] = {
             "run_id": run_id, "round": check_int(round, "round"), "mode": str(mode),
-            "accountant": str(accountant), "epsilon_model": None,
-            "protects_against": None if protects_against is None else str(protects_against)}
+            "accountant": str(accountant)}
+        for key, text in (("protects_against", protects_against), ("relation", relation),
+                          ("relation_model", relation_model)):
+            values[key] = None if text is None else str(text)
+        optional = ("epsilon_model", "epsilon_replace_one")
         for key, value in (("epsilon", epsilon), ("delta", delta),
                            ("noise_multiplier", noise_multiplier), ("clip", clip),
-                           ("sampling_rate", sampling_rate), ("epsilon_model", epsilon_model)):
-            if value is None and key == "epsilon_model":
+                           ("sampling_rate", sampling_rate), ("epsilon_model", epsilon_model),
+                           ("epsilon_replace_one", epsilon_replace_one)):
+            if value is None and key in optional:
+                values[key] = None
                 continue
             number = float(value)
             if not math.isfinite(number) or number < 0:

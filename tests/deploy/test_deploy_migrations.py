@@ -136,11 +136,12 @@ def test_a_ledger_written_before_0002_keeps_its_rows(new_url: Any) -> None:
                           "epsilon, delta, noise_multiplier, clip, sampling_rate) VALUES "
                           "('r1', 1, 'central', 'rdp', 2.5, 1e-5, 1.1, 1.0, 0.25)"))
     engine.dispose()
-    assert upgrade(url) == "0002"
+    assert upgrade(url) == "0003"
     with Store(url) as store:
         [row] = store.privacy_ledger("r1")
         assert row["epsilon"] == 2.5 and row["sampling_rate"] == 0.25
         assert row["epsilon_model"] is None and row["protects_against"] is None
+        assert row["relation"] is None and row["epsilon_replace_one"] is None
         store.record_privacy("r1", round=2, mode="distributed", accountant="rdp", epsilon=12.3,
                              delta=1e-5, noise_multiplier=1.0, clip=1.0, sampling_rate=0.5,
                              epsilon_model=26.8, protects_against="server")
@@ -150,3 +151,28 @@ def test_a_ledger_written_before_0002_keeps_its_rows(new_url: Any) -> None:
             store.record_privacy("r1", round=3, mode="distributed", accountant="rdp",
                                  epsilon=1.0, delta=1e-5, noise_multiplier=1.0, clip=1.0,
                                  sampling_rate=0.5, epsilon_model=float("nan"))
+
+
+def test_a_ledger_written_at_0002_gains_the_relations(new_url: Any) -> None:
+    url = new_url("relations")
+    assert upgrade(url, "0002") == "0002"
+    engine = engine_for(url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (run_id, created_at, status, seed, config) VALUES "
+                          "('r1', '2026-11-27 10:00:00+00:00', 'completed', 0, '{}')"))
+        conn.execute(text("INSERT INTO privacy_ledger (run_id, round, mode, accountant, "
+                          "epsilon, delta, noise_multiplier, clip, sampling_rate, "
+                          "epsilon_model, protects_against) VALUES ('r1', 1, 'local', "
+                          "'rdp', 4.7, 1e-5, 1.0, 1.0, 0.25, 9.1, 'server')"))
+    engine.dispose()
+    assert upgrade(url) == "0003"
+    with Store(url) as store:
+        [row] = store.privacy_ledger("r1")
+        assert (row["epsilon"], row["epsilon_model"]) == (4.7, 9.1)
+        assert (row["relation"], row["relation_model"]) == (None, None)
+        store.record_privacy("r1", round=2, mode="local", accountant="rdp", epsilon=7.1,
+                             delta=1e-5, noise_multiplier=1.0, clip=1.0, sampling_rate=0.25,
+                             protects_against="server", relation="zero-out",
+                             epsilon_replace_one=16.5)
+        new = store.privacy_ledger("r1")[1]
+        assert (new["relation"], new["epsilon_replace_one"]) == ("zero-out", 16.5)

@@ -111,6 +111,66 @@ def test_relations_are_named():
     assert PrivacyAccountant(1.0, delta=1e-5, sampling="none").relation == "add/remove-one"
 
 
+def replace_one_move() -> float:
+    """Replacing a client's clipped update u by the one pointing the other way."""
+    u = np.array([CLIP, 0.0])
+    return float(np.linalg.norm(u - (-u)))
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+@pytest.mark.parametrize("chosen", ["add/remove-one", "zero-out", "replace-one"])
+def test_unsampled_figures_under_each_relation(kind, chosen):
+    """Unsampled: zero-out and add/remove move the sum by C, replace-one by 2C."""
+    move = replace_one_move() if chosen == "replace-one" else CLIP
+    acc = PrivacyAccountant(1.3, delta=1e-5, sampling="none", accountant=kind,
+                            relation=chosen)
+    acc.step(4)
+    ref = (dpa.rdp.RdpAccountant() if kind == "rdp"
+           else dpa.pld.PLDAccountant(neighboring_relation=ADD_OR_REMOVE))
+    ref.compose(dpa.GaussianDpEvent(1.3 * CLIP / move), 4)
+    assert acc.relation == chosen
+    assert acc.epsilon() == pytest.approx(ref.get_epsilon(1e-5), rel=1e-6)
+    assert acc.state_dict()["relation"] == chosen
+
+
+def test_poisson_replace_one_is_dp_accountings_replace_one_pld():
+    """dp_accounting's REPLACE_ONE shifts each side by +-sensitivity (the pair
+    (1-q)N(0)+qN(+C) against (1-q)N(0)+qN(-C), checked by integration in
+    test_dp_adversary), so its sensitivity is a client's own bound C."""
+    acc = PrivacyAccountant(1.0, delta=1e-5, sampling_rate=0.3, accountant="pld",
+                            relation="replace-one")
+    acc.step(3)
+    ref = dpa.pld.PLDAccountant(neighboring_relation=REPLACE_ONE)
+    ref.compose(dpa.PoissonSampledDpEvent(0.3, dpa.GaussianDpEvent(1.0 * CLIP / CLIP)), 3)
+    assert acc.epsilon() == pytest.approx(ref.get_epsilon(1e-5), rel=1e-6)
+    assert acc.rounds_within(acc.epsilon() * 2) > 3
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sampling="fixed", population=4, clients_per_round=2, relation="add/remove-one"),
+     "replace-one only"),
+    (dict(sampling_rate=0.5, relation="zero-out"), "zero-out"),
+    (dict(sampling_rate=0.5, relation="replace-one"), "accountant='pld'"),
+    (dict(sampling="none", relation="swap"), "relation"),
+])
+def test_relations_dp_accounting_cannot_account_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrivacyAccountant(1.0, delta=1e-5, **kwargs)
+
+
+def test_a_state_saved_under_another_relation_is_refused():
+    saved = PrivacyAccountant(1.0, delta=1e-5, sampling="none", relation="zero-out")
+    saved.step(2)
+    other = PrivacyAccountant(1.0, delta=1e-5, sampling="none", relation="replace-one")
+    with pytest.raises(ValueError, match="zero-out"):
+        other.load_state_dict(saved.state_dict())
+    older = saved.state_dict()
+    del older["relation"]  # saved before relations were: its sampling's natural one
+    plain = PrivacyAccountant(1.0, delta=1e-5, sampling="none")
+    plain.load_state_dict(older)
+    assert plain.epsilon() == saved.epsilon()
+
+
 def test_fixed_rounds_are_charged_the_cohort_that_was_drawn():
     acc = PrivacyAccountant(1.0, delta=1e-5, sampling="fixed", population=20,
                             clients_per_round=5)

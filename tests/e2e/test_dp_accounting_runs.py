@@ -2,7 +2,9 @@
 
 The multipliers and relations are derived here: fixed-size cohorts are replace-one (the
 clipped sum moves by 2C, so the multiplier is z / 2), the server's view of local and
-distributed DP is an unsampled Gaussian per round under add/remove (multiplier z).
+distributed DP is an unsampled Gaussian per round under zero-out (a client's contribution
+moves between its value and zero: multiplier z), and its replace-one figure the Gaussian
+at z / 2.
 """
 
 from __future__ import annotations
@@ -68,9 +70,14 @@ def test_distributed_acceptance_figures(run_inprocess, store, tmp_path):
         [unamplified(r, z) for r in range(1, 6)], rel=1e-9)
     assert [e["epsilon_model"] for e in ledger] == pytest.approx(
         [fixed(r, 20, 10, z) for r in range(1, 6)], rel=1e-9)
-    line = privacy_summary(ledger, cfg)
-    assert "against the server (add/remove-one)" in line
-    assert "epsilon_model 26.84 against the released model (replace-one)" in line
+    assert [e["epsilon_replace_one"] for e in ledger] == pytest.approx(
+        [unamplified(r, z / 2) for r in range(1, 6)], rel=1e-9)
+    assert {(e["relation"], e["relation_model"]) for e in ledger} == {
+        ("zero-out", "replace-one")}
+    line = privacy_summary(ledger)
+    assert "epsilon 12.3 (zero-out), epsilon_replace_one 30.13 (replace-one) against the " \
+           "server" in line
+    assert "epsilon_model 26.84 (replace-one) against the released model" in line
     assert plot_run(store, summary["run_id"], tmp_path).exists()
 
 
@@ -89,9 +96,10 @@ def test_dp_cohorts_are_secret_unless_reproducible_is_asked_for(run_inprocess, s
     replay = ["dp.reproducible_cohorts=true", *base]
     runs = [run_inprocess(load_scenario("default", replay)) for _ in range(2)]
     assert cohorts(store, runs[0]["run_id"], 3) == cohorts(store, runs[1]["run_id"], 3)
-    # seeded cohorts: no amplification, add/remove with z = 1
+    # seeded cohorts: no amplification, add/remove with z = 1, replace-one with z / 2
     assert runs[0]["epsilon"] == pytest.approx(unamplified(3, 1.0), rel=1e-9)
     assert runs[0]["relation"] == "add/remove-one"
+    assert runs[0]["epsilon_replace_one"] == pytest.approx(unamplified(3, 0.5), rel=1e-9)
 
 
 def test_a_concurrency_cap_is_charged_the_cohort_it_leaves(run_inprocess, store):
@@ -125,3 +133,18 @@ def test_a_client_left_out_by_an_earlier_cohort_stops_a_dp_run(run_inprocess):
         "driver.deadline_s=2.0"])
     with pytest.raises(RuntimeError, match=r"round 2: only 2 of 4 .*driver\.deadline_s"):
         run_inprocess(cfg, simulated=True)
+
+
+def test_local_dp_with_example_weights_fails_at_start_naming_the_key():
+    """The model's weights would come from example counts sent in the clear."""
+    with pytest.raises(ValueError, match=r"local DP .*aggregation\.weight_by = 'uniform'"):
+        load_scenario("default", ["dp.mode=local", "aggregation.weight_by=examples"])
+    load_scenario("default", ["dp.mode=local", "aggregation.weight_by=uniform"])
+
+
+def test_a_budget_relation_without_a_figure_fails_at_start_naming_the_key():
+    with pytest.raises(ValueError, match=r"dp\.budget_relation = 'add/remove-one'.*has: "
+                                         r"replace-one"):
+        load_scenario("default", ["dp.mode=central", "aggregation.weight_by=uniform",
+                                  "federation.sample_fraction=0.5", "dp.epsilon_budget=10",
+                                  "dp.budget_relation=add/remove-one"])

@@ -22,14 +22,17 @@ def _secure(store: Store, run_id: str, rnd: int, **extra) -> None:
 def test_ledger_round_trip_and_re_record(store: Store):
     run_id = store.create_run(config={}, seed=0)
     store.record_privacy(run_id, round=1, epsilon=0.5, epsilon_model=0.2,
-                         protects_against="server", **LEDGER)
+                         protects_against="server", relation="zero-out",
+                         epsilon_replace_one=1.5, relation_model="replace-one", **LEDGER)
     store.record_privacy(run_id, round=2, epsilon=0.9, **LEDGER)
     store.record_privacy(run_id, round=2, epsilon=1.0, **LEDGER)  # replaces round 2
     first, second = store.privacy_ledger(run_id)
     assert first == {"round": 1, "epsilon": 0.5, "epsilon_model": 0.2,
-                     "protects_against": "server", **LEDGER}
+                     "protects_against": "server", "relation": "zero-out",
+                     "epsilon_replace_one": 1.5, "relation_model": "replace-one", **LEDGER}
     assert second == {"round": 2, "epsilon": 1.0, "epsilon_model": None,
-                      "protects_against": None, **LEDGER}
+                      "protects_against": None, "relation": None,
+                      "epsilon_replace_one": None, "relation_model": None, **LEDGER}
 
 
 def test_secure_round_round_trip_and_re_record(store: Store):
