@@ -104,9 +104,8 @@ class RunLoop:
         ctx, state = self.ctx, self.ctx.state
         central = self.source.central_model
         applied = result.aggregate is not None if central else result.status == "completed"
-        if self.audit is not None:  # sizes the canaries of a run without DP
-            self.audit.observe_norms(r.norm for r in result.records
-                                     if r.fate == "accepted" and r.norm is not None)
+        if self.audit is not None:  # the canaries' size and the round's noise
+            self.audit.observe_round(result)
         if central:
             kept = state.params[ctx.local_mask] if ctx.local_mask is not None else None
             state.params = ctx.pipeline.apply(state.params, result.aggregate,
@@ -237,6 +236,9 @@ class RunLoop:
         if self.audit is not None:  # the one-shot estimate from theta_T - theta_0
             initial, _ = ctx.task.initial_params()
             summary.update(self.audit.summary(state.params - initial))
+            flagged = self.audit.warning(summary)
+            if flagged is not None:
+                ctx.reporter.message(flagged)
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
         if ctx.grid.down:  # this process's traffic

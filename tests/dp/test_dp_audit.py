@@ -22,7 +22,9 @@ from privacy.dp.audit import (
 from server.audit import AuditConfig, CanaryAudit, sampling_rate
 from server.config import AggregationConfig, FederationConfig
 from server.dp import DPController
+from server.rounds import RoundResult, update_record
 from server.rules import check_audit
+from server.store.records import UpdateRecord
 from simulations.config import load_scenario
 
 # ---- the Gaussian mechanism's epsilon(delta), against dp_accounting's PLD
@@ -41,6 +43,48 @@ def test_gaussian_mechanism_epsilon_matches_dp_accounting(mu, delta):
 def test_gaussian_mechanism_epsilon_is_zero_without_a_shift():
     assert gaussian_mechanism_epsilon(0.0, 1e-5) == 0.0
     assert gaussian_mechanism_epsilon(-2.0, 1e-5) == 0.0
+
+
+# ---- the estimate's lower confidence bound, on draws with a known mu
+
+
+def _exact_epsilon(mu: float, delta: float) -> float:
+    """One Gaussian mechanism, sensitivity 1 and noise std 1/mu, under add/remove-one."""
+    acc = dp_accounting.pld.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_accounting.GaussianDpEvent(noise_multiplier=1.0 / mu))
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.5, 3.0])
+def test_lower_bound_stays_below_the_exact_epsilon_in_95_percent_of_trials(mu):
+    """300 audits of K = 100 canaries whose cosines are the Gaussian mechanism's with a
+    known mu: the 95% lower bound exceeds the exact epsilon in at most 5% of them, sits
+    about 1.645 standard deviations of the estimate below it (not vacuous), and the
+    estimate itself lands above the exact figure in a good share of correct runs."""
+    rng = np.random.default_rng(int(mu * 10))
+    k, trials, s, delta = 100, 300, 0.01, 1e-5
+    exact = _exact_epsilon(mu, delta)
+    ests = [estimate_epsilon(rng.normal(mu * s, s, k), rng.normal(0.0, s, k), delta)
+            for _ in range(trials)]
+    lower = np.array([e.epsilon_lower for e in ests])
+    point = np.array([e.epsilon for e in ests])
+    mus = np.array([e.mu for e in ests])
+    assert (lower > exact).sum() <= 0.05 * trials
+    gap = np.median(mus - np.array([e.mu_lower for e in ests]))
+    assert gap == pytest.approx(1.645 * mus.std(), rel=0.25)
+    assert 0.2 * trials <= (point > exact).sum() <= 0.6 * trials
+    assert all(e.mu_lower <= e.mu and e.epsilon_lower <= e.epsilon for e in ests)
+
+
+def test_lower_bound_is_a_function_of_the_cosines():
+    rng = np.random.default_rng(11)
+    seen, unseen = rng.normal(0.02, 0.01, 150), rng.normal(0.0, 0.01, 150)
+    a, b = estimate_epsilon(seen, unseen, 1e-5), estimate_epsilon(seen.copy(), unseen, 1e-5)
+    assert a.mu_lower == b.mu_lower and 0 < a.mu_lower < a.mu
+    assert a.epsilon_lower == pytest.approx(gaussian_mechanism_epsilon(a.mu_lower, 1e-5))
+    assert a.confidence == 0.95
+    assert estimate_epsilon(seen, unseen, 1e-5, confidence=0.99).mu_lower < a.mu_lower
 
 
 # ---- canaries
@@ -165,16 +209,26 @@ def test_canaries_are_in_the_noised_sum_and_only_sampled_ones():
     np.testing.assert_allclose(out, audit.canaries[taking_part].sum(axis=0), atol=1e-5)
 
 
+def _result(records: list[UpdateRecord], noise_multiplier: float | None = None) -> RoundResult:
+    return RoundResult(aggregate=None, status="completed", records=records,
+                       num_sampled=len(records), num_replies=len(records),
+                       noise_multiplier=noise_multiplier)
+
+
 def test_without_dp_a_canary_is_an_average_client_of_the_median_norm():
+    """Sized from the round's accepted updates only: an update the norm bound rejected
+    (an attacker's 1e6) never moves the canaries' norm."""
     d = 40
     audit = CanaryAudit(AuditConfig(canaries=3), rate=1.0, combine="mean")
-    pipeline = AggregationConfig().build(canaries=audit)
+    pipeline = AggregationConfig(max_norm=100.0).build(canaries=audit)
     agg = pipeline.open_round(dim=d, version=0)
     updates = _updates(np.random.default_rng(2), d, 5)
     for u in updates:
-        agg.submit(u)
+        assert agg.submit(u).accepted
+    huge = Update("attacker", np.full(d, 1e6, np.float32), 10, 0)
+    assert not agg.submit(huge).accepted
     mean = agg.finish().copy()
-    audit.observe_norms(v.norm for v in agg.verdicts if v.accepted)
+    audit.observe_round(_result([update_record(v) for v in agg.verdicts]))
     params = pipeline.apply(np.zeros(d, np.float32), mean, total_weight=agg.total_weight,
                             count=agg.num_accepted)
     median = np.median([np.linalg.norm(u.delta) for u in updates])
@@ -200,6 +254,113 @@ def test_resumed_audit_keeps_its_canaries():
     assert again.rounds == 1 and again.participations.tolist() == [1] * 5
 
 
+# ---- the reference: the exact epsilon of what a canary went through
+
+
+def _pld(rounds: list[tuple[float, float, int]], delta: float = 1e-5) -> float:
+    """dp_accounting's PLD under add/remove-one of runs of (q, z, n): each round one
+    Poisson(q) sampled Gaussian of multiplier z (a plain Gaussian at q = 1)."""
+    acc = dp_accounting.pld.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    for q, z, n in rounds:
+        event = dp_accounting.GaussianDpEvent(z)
+        acc.compose(event if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, event), n)
+    return acc.get_epsilon(delta)
+
+
+def test_reference_is_the_pld_epsilon_of_sampled_canary_rounds():
+    dp = DPController(DPConfig.from_dict({"mode": "central", "clip": 1.0,
+                                          "noise_multiplier": 1.3}),
+                      clients=10, clients_per_round=3, sampling="poisson")
+    audit = CanaryAudit(AuditConfig(canaries=4), rate=0.3, combine="mean", dp=dp)
+    assert audit.reference() == 0.0
+    for _ in range(5):
+        audit.apply(np.zeros(20, np.float32), 0.0, 0)
+    assert audit.reference() == pytest.approx(_pld([(0.3, 1.3, 5)]), rel=1e-6)
+    assert audit.summary(np.ones(20))["audit_relation"] == "add/remove-one"
+
+
+def test_reference_of_adaptive_clipping_is_the_noise_on_the_clipped_sum():
+    """Adaptive clipping spends part of z on the count; a canary (never counted) meets
+    only the update noise, z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2 (Andrew et al. 2021)."""
+    dp = DPController(DPConfig.from_dict({"mode": "central", "clip": "adaptive",
+                                          "noise_multiplier": 1.0,
+                                          "clipped_count_stddev": 2.0}),
+                      clients=10, clients_per_round=10, sampling="fixed")
+    audit = CanaryAudit(AuditConfig(canaries=4), rate=1.0, combine="mean", dp=dp)
+    for _ in range(3):
+        audit.apply(np.zeros(20, np.float32), 0.0, 0)
+    z_delta = (1.0 ** -2 - (2 * 2.0) ** -2) ** -0.5
+    assert audit.reference() == pytest.approx(_pld([(1.0, z_delta, 3)]), rel=1e-6)
+
+
+def test_reference_charges_each_round_its_multiplier_and_survives_a_resume():
+    """Distributed DP: a round with dropouts holds less noise (its charged multiplier is
+    what the round source reports); a resumed audit keeps every round's multiplier."""
+    dp = DPController(DPConfig.from_dict({"mode": "distributed", "clip": 1.0,
+                                          "noise_multiplier": 2.0}),
+                      clients=10, clients_per_round=5, sampling="poisson")
+    plan = dp.plan_distributed(dim=20, bits=32, max_clients=10)
+    full, dropped = dp.round_noise_multiplier, plan.noise_multiplier_with(7)
+    assert dropped < full
+    audit = CanaryAudit(AuditConfig(canaries=4), rate=0.5, combine="mean", dp=dp)
+    audit.observe_round(_result([]))
+    audit.apply(np.zeros(20, np.float32), 0.0, 0)
+    audit.observe_round(_result([], noise_multiplier=dropped))
+    audit.apply(np.zeros(20, np.float32), 0.0, 0)
+    audit.apply(np.zeros(20, np.float32), 0.0, 0)  # no report: a full round
+    expected = _pld([(0.5, full, 1), (0.5, dropped, 1), (0.5, full, 1)])
+    assert audit.reference() == pytest.approx(expected, rel=1e-6)
+    again = CanaryAudit(AuditConfig(canaries=4), rate=0.5, combine="mean", dp=dp)
+    again.load_state_dict(audit.state_dict())
+    assert again.reference() == pytest.approx(expected, rel=1e-6)
+    older = {k: v for k, v in audit.state_dict().items() if k != "accountant"}
+    again.load_state_dict(older)  # saved before multipliers were kept: full rounds
+    assert again.reference() == pytest.approx(_pld([(0.5, full, 3)]), rel=1e-6)
+
+
+def _released(audit: CanaryAudit, rounds: int, sigma: float, seed: int) -> np.ndarray:
+    """theta_T - theta_0 of rounds in which only the canaries take part and the clipped
+    sum gets N(0, sigma^2) per coordinate."""
+    rng = np.random.default_rng(seed)
+    change = np.zeros(4000, np.float32)
+    for _ in range(rounds):
+        change += audit.apply(np.zeros(4000, np.float32), 0.0, 0)
+        change += rng.normal(0.0, sigma, 4000).astype(np.float32)
+    return change
+
+
+@pytest.mark.parametrize("sigma, flagged", [(2.0, False), (1.0, True)])
+def test_a_run_is_flagged_only_when_the_lower_bound_exceeds_the_reference(
+        sigma, flagged, monkeypatch):
+    """Central DP at z = 2, every canary in every round: noise of std 2C is a correct run
+    (not flagged), half of it is a bug (flagged, with a warning line)."""
+    import privacy.dp.audit as audit_module
+
+    monkeypatch.setattr(audit_module, "canary_entropy", lambda: 1234)  # the fresh canaries
+    audit = CanaryAudit(AuditConfig(canaries=200), rate=1.0, combine="mean",
+                        dp=_central(z=2.0, per_round=1))
+    audit.entropy, audit.rng = 99, np.random.default_rng(5)
+    summary = audit.summary(_released(audit, 10, sigma, seed=6))
+    assert summary["epsilon_audit_reference"] == pytest.approx(_pld([(1.0, 2.0, 10)]))
+    assert summary["epsilon_audit_lower"] <= summary["epsilon_audit"]
+    assert summary["audit_flag"] is flagged
+    assert (summary["epsilon_audit_lower"] > summary["epsilon_audit_reference"]) is flagged
+    warning = CanaryAudit.warning(summary)
+    assert (warning is not None) is flagged
+    if flagged:
+        assert "epsilon_audit_lower" in warning and "add/remove-one" in warning
+
+
+def test_without_dp_there_is_no_reference_and_no_flag():
+    audit = CanaryAudit(AuditConfig(canaries=20, canary_norm=1.0), rate=1.0, combine="sum")
+    audit.apply(np.zeros(500, np.float32), 1.0, 1)
+    summary = audit.summary(np.random.default_rng(4).normal(size=500))
+    assert summary["epsilon_audit_reference"] is None and summary["audit_flag"] is None
+    assert summary["epsilon_audit_lower"] <= summary["epsilon_audit"]
+    assert CanaryAudit.warning(summary) is None and "accountant" not in audit.state_dict()
+
+
 # ---- [audit] in the scenario
 
 
@@ -218,7 +379,8 @@ def test_audit_is_off_by_default_and_in_the_resolved_config():
     (["audit.rounds=3"], "audit.rounds"),
     (["audit.canaries=10", 'aggregation.combine="median"'], "aggregation.combine"),
     (["audit.canaries=10", 'driver.kind="fedbuff"'], "driver.kind"),
-    (["audit.canaries=10", 'dp.mode="local"'], "dp.mode = 'local'"),
+    (["audit.canaries=10", 'dp.mode="local"', 'aggregation.weight_by="uniform"'],
+     "dp.mode = 'local'"),
     (["audit.canaries=10", 'dp.mode="central"', 'aggregation.weight_by="uniform"',
       "audit.canary_norm=1.0"], "remove audit.canary_norm"),
     (["audit.canaries=10", "secagg.enabled=true"], "audit.canary_norm"),
