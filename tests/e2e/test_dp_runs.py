@@ -273,3 +273,24 @@ def test_fedring_simulate_json_has_the_largest_dp_sgd_epsilon(tmp_path):
             "example, the largest over clients) protecting individual training examples of "
             "one client (sample-level) against the server and anyone who sees that client's "
             "updates") in printed
+
+
+@pytest.mark.slow
+def test_dp_sgd_composes_on_flowers_simulation_engine(db_url, store):
+    """Flower's Ray engine keeps each node's state across rounds as the in-process one
+    does: every client's k-th round reports k rounds composed."""
+    from simulations.cli import run_simulation
+
+    cfg = load_scenario("default", [*DP_SGD, "federation.clients=3", "federation.rounds=3"])
+    summary = run_simulation(cfg, engine="flower", db=db_url)
+    trained = _participations(store, summary["run_id"])
+    sizes = {u.client_id: u.num_examples for _, u in store.updates(summary["run_id"])}
+    assert len(trained) == 3
+    for client, rounds in trained.items():
+        assert [rnd for rnd, _ in rounds] == [1, 2, 3]
+        for k, (_, metrics) in enumerate(rounds, start=1):
+            assert metrics["dp_sgd_rounds"] == k
+            assert metrics["dp_sgd_epsilon"] == pytest.approx(
+                _sgd_epsilon(sizes[client], k), rel=1e-9)
+    assert summary["dp_sgd_epsilon"] == pytest.approx(
+        max(_sgd_epsilon(n, 3) for n in sizes.values()), rel=1e-9)
