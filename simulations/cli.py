@@ -160,6 +160,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         privacy += f" at delta {summary['delta']:g}"
     if summary.get("epsilon_audit") is not None:
         privacy += f", epsilon_audit {summary['epsilon_audit']:.3f}"
+        if summary.get("epsilon_audit_lower") is not None:
+            privacy += f" (95% lower bound {summary['epsilon_audit_lower']:.3f}"
+            if summary.get("epsilon_audit_reference") is not None:
+                privacy += (f", exact {summary['epsilon_audit_reference']:.3f}"
+                            + (", FLAGGED" if summary.get("audit_flag") else ""))
+            privacy += ")"
     if summary.get("dp_sgd_epsilon") is not None:
         privacy += (f", dp_sgd_epsilon {summary['dp_sgd_epsilon']:.3f} "
                     f"({summary['dp_sgd_relation']}, the largest over clients) protecting "

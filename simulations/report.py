@@ -88,14 +88,23 @@ def privacy_summary(ledger: list[dict[str, Any]],
 
 
 def audit_line(summary: dict[str, Any] | None) -> str | None:
-    """The canary audit's estimate (``[audit]``) beside the accountant's epsilon; None
-    when the run had no audit."""
+    """The canary audit's estimate (``[audit]``), its lower bound, the exact epsilon it is
+    judged against and the verdict, beside the accountant's epsilon; None when the run
+    had no audit."""
     summary = summary or {}
     if summary.get("epsilon_audit") is None:
         return None
     line = (f"privacy audit: epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary "
             f"estimate, {summary.get('audit_canaries')} canaries, delta "
             f"{summary.get('audit_delta'):g})")
+    if summary.get("epsilon_audit_lower") is not None:
+        line += (f", {summary.get('audit_confidence', 0.95):.0%} lower bound "
+                 f"{summary['epsilon_audit_lower']:.4g}")
+    if summary.get("epsilon_audit_reference") is not None:
+        verdict = ("FLAGGED: the lower bound exceeds it" if summary.get("audit_flag")
+                   else "not flagged")
+        line += (f"; exact epsilon for a canary {summary['epsilon_audit_reference']:.4g} "
+                 f"(PLD, {summary.get('audit_relation')}): {verdict}")
     if summary.get("epsilon") is not None:
         line += f"; the accountant's epsilon {summary['epsilon']:.4g}"
     return line

@@ -195,11 +195,21 @@ def test_cli_json_line_and_report_show_the_audit_beside_the_accountant(tmp_path)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["epsilon_audit"] >= 0 and summary["audit_canaries"] == 20
+    assert 0 <= summary["epsilon_audit_lower"] <= summary["epsilon_audit"]
+    assert summary["audit_flag"] is (summary["epsilon_audit_lower"]
+                                     > summary["epsilon_audit_reference"])
+    assert f"95% lower bound {summary['epsilon_audit_lower']:.3f}" in proc.stderr
     report = fedring("report", summary["run_id"], "--db", db, "--out", str(tmp_path),
                      cwd=tmp_path)
     assert report.returncode == 0, report.stderr
-    line = next(x for x in report.stdout.splitlines() if x.startswith("privacy audit:"))
+    # the console wraps long lines at a space: rejoin them
+    flat = " ".join(report.stdout.split())
+    line = flat[flat.index("privacy audit:"):]
     assert f"epsilon_audit {summary['epsilon_audit']:.4g} (one-shot canary" in line
+    assert f"95% lower bound {summary['epsilon_audit_lower']:.4g}" in line
+    assert (f"exact epsilon for a canary {summary['epsilon_audit_reference']:.4g} "
+            "(PLD, add/remove-one)") in line
+    assert ("FLAGGED" in line) is summary["audit_flag"]
     assert f"the accountant's epsilon {summary['epsilon']:.4g}" in line
 
 
