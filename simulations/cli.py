@@ -163,7 +163,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if summary.get("epsilon_audit_lower") is not None:
             privacy += f" (95% lower bound {summary['epsilon_audit_lower']:.3f}"
             if summary.get("epsilon_audit_reference") is not None:
-                privacy += (f", exact {summary['epsilon_audit_reference']:.3f}"
+                privacy += (f", exact {summary['epsilon_audit_reference']:.3f} "
+                            f"({summary.get('audit_relation')})"
                             + (", FLAGGED" if summary.get("audit_flag") else ""))
             privacy += ")"
     if summary.get("dp_sgd_epsilon") is not None:
