@@ -88,8 +88,10 @@ def canary_accountant(rate: float, delta: float) -> PrivacyAccountant:
     from privacy.dp.accountant import PrivacyAccountant  # dp_accounting: heavy, load late
 
     if rate >= 1.0:
-        return PrivacyAccountant(1.0, delta=delta, sampling="none", accountant="pld")
-    return PrivacyAccountant(1.0, delta=delta, sampling_rate=rate, accountant="pld")
+        return PrivacyAccountant(1.0, delta=delta, sampling="none", accountant="pld",
+                                 relation=ADD_REMOVE)
+    return PrivacyAccountant(1.0, delta=delta, sampling_rate=rate, accountant="pld",
+                             relation=ADD_REMOVE)
 
 
 class CanaryAudit(PostStage):
