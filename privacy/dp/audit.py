@@ -25,8 +25,9 @@ where the audit is tight (every canary in every round, so the final model is one
 mechanism for each) it scatters around the exact epsilon, above it about half the time.
 So :func:`estimate_epsilon` also gives a one-sided lower confidence bound
 (``epsilon_lower``, 95% by default), which stays at or below the exact epsilon of a
-correct run in at least that share of runs; only a lower bound above the exact figure is
-evidence that the released model holds less noise than accounted (a bug, or DP off).
+correct run in about that share of runs or more (checked on draws with a known ``mu``);
+only a lower bound above the exact figure is evidence that the released model holds less
+noise than accounted (a bug, or DP off).
 
 The bound is a percentile bootstrap over the canaries: both sets of cosines are resampled
 with replacement, ``mu`` is refitted exactly as the estimate is (the larger of the two
