@@ -5,8 +5,11 @@ One round is four message round trips, all answered by the same ClientApp:
 - ``train.secagg``: the model, the usual training config and, in the "secagg" record,
   the SETUP message and the quantization settings. The client trains, clips each
   coordinate of its delta to ``clip-range``, weights it by min(num_examples,
-  ``max-weight``) (or 1), quantizes it (the weight is the extra last coordinate) and
-  answers ADVERTISE_KEYS;
+  ``max-weight``) (or 1), quantizes it (the weight is an extra coordinate, followed
+  by the stat words: how many values it clipped, its example count and its
+  example-weighted training loss, ``privacy.secagg.quantize.StatWords``, so the
+  server learns only their totals) and answers ADVERTISE_KEYS with nothing else: no
+  loss or example count in the clear;
 - ``query.secagg`` with PUBLIC_KEYS -> SHARE_KEYS, with FORWARDED_SHARES -> MASKED_INPUT
   (the masked vector, in an ArrayRecord of bytes), with UNMASK_REQUEST -> UNMASK_RESPONSE.
 
@@ -88,7 +91,12 @@ from privacy.secagg import DEFAULT_POLICY, ProtocolError, SecAggClient, SecAggPo
 from privacy.secagg.buffers import POOL
 from privacy.secagg.messages import decode_setup, read_header
 from privacy.secagg.params import word_dtype
-from privacy.secagg.quantize import contribution_clip, max_level, quantize_weighted_into
+from privacy.secagg.quantize import (
+    StatWords,
+    contribution_clip,
+    max_level,
+    quantize_weighted_into,
+)
 from privacy.secagg.stages import MsgType
 
 HELD = "fedring.secagg.held"  # Context.state: the held delta until its buffer's SETUP
@@ -223,6 +231,30 @@ def encode_distributed(delta: np.ndarray, plan: DistributedDPPlan, rotation_seed
     return np.mod(encoded, 1 << plan.bits).astype(word_dtype(plan.bits))
 
 
+def stat_bounds(record: ConfigRecord) -> tuple[float, float] | None:
+    """The stat words' bounds in a SETUP record (``max-examples``, ``loss-range``), or None
+    when it asks for no stat words (distributed DP)."""
+    values = [record.get(key) for key in (SecAggKey.MAX_EXAMPLES, SecAggKey.LOSS_RANGE)]
+    if values == [None, None]:
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 for v in values):
+        raise ProtocolError(f"secagg settings '{SecAggKey.MAX_EXAMPLES}' and "
+                            f"'{SecAggKey.LOSS_RANGE}' must both be numbers > 0, got {values}")
+    return float(values[0]), float(values[1])  # type: ignore[arg-type]
+
+
+def count_clipped(delta: np.ndarray, clip_range: float) -> int:
+    """How many coordinates of ``delta`` lie outside [-clip_range, clip_range] (compared in
+    float64, as the encoding clips)."""
+    return int(np.count_nonzero(np.abs(delta) > np.float64(clip_range)))
+
+
+def _loss(metrics: MetricRecord) -> float | None:
+    loss = metrics.get("train_loss")
+    return float(loss) if isinstance(loss, int | float) and not isinstance(loss, bool) \
+        else None
+
+
 def shared_request(record: ConfigRecord) -> CompressionRequest | None:
     """The shared-pattern top-k request in a SETUP record (``COMPRESSION_KEY``), or None."""
     try:
@@ -330,8 +362,10 @@ class SecureClient:
         config = config if isinstance(config, ConfigRecord) else ConfigRecord()
         meta = np.array([int(update.metrics[MetricKey.NUM_EXAMPLES]),
                          int(config.get(ConfigKey.SEED, 0))], dtype=np.int64)
-        context.state[HELD] = ArrayRecord({"delta": npy_array(update.delta),
-                                           "meta": npy_array(meta)})
+        loss = _loss(update.metrics)
+        context.state[HELD] = ArrayRecord({
+            "delta": npy_array(update.delta), "meta": npy_array(meta),
+            "loss": npy_array(np.array([np.nan if loss is None else loss]))})
         ready = ConfigRecord({SecAggKey.READY: int(config.get(ConfigKey.VERSION, 0))})
         return Message(RecordDict({SecAggRecord.PROTOCOL: ready}), reply_to=msg)
 
@@ -347,7 +381,11 @@ class SecureClient:
             raise ProtocolError(f"secagg setting '{SecAggKey.FACTOR}' must be in (0, 1], "
                                 f"got {factor!r}")
         examples, seed = (int(x) for x in npy_view(held["meta"]))
-        update = _Held(npy_view(held["delta"]), MetricRecord({MetricKey.NUM_EXAMPLES: examples}))
+        metrics = MetricRecord({MetricKey.NUM_EXAMPLES: examples})
+        loss = float(npy_view(held["loss"])[0]) if "loss" in held else float("nan")
+        if not np.isnan(loss):
+            metrics["train_loss"] = loss
+        update = _Held(npy_view(held["delta"]), metrics)
         return self._setup(msg, context, seed, lambda: update, float(factor))
 
     def _setup(self, msg: Message, context: Context, seed: int,
@@ -378,11 +416,15 @@ class SecureClient:
             quantized = encode_distributed(update.delta, plan, rotation_seed, factor=factor)
         else:
             delta = update.delta
+            bounds = stat_bounds(msg.content[SecAggRecord.PROTOCOL])
             if sparse is not None:  # top-k on the round's shared pattern: k values are masked
                 delta = select_shared(delta, sparse, rnd, context.state, s[SecAggKey.CLIP])
-            if setup.dim != delta.size + 1:
+            level = max_level(s[SecAggKey.CLIP], s[SecAggKey.SCALE], s[SecAggKey.MAX_WEIGHT])
+            stats = None if bounds is None else StatWords(delta.size, level, *bounds)
+            extra = 1 + (stats.words if stats is not None else 0)
+            if setup.dim != delta.size + extra:
                 raise ProtocolError(f"SETUP announces {setup.dim} words, the update has "
-                                    f"{delta.size} coordinates plus the weight")
+                                    f"{delta.size} coordinates plus {extra} (weight, stats)")
             examples = float(update.metrics[MetricKey.NUM_EXAMPLES])
             weight = (1.0 if s[SecAggKey.WEIGHT_BY] == "uniform"
                       else min(examples, s[SecAggKey.MAX_WEIGHT]))
@@ -393,19 +435,17 @@ class SecureClient:
             if s[SecAggKey.ROUNDING] == "stochastic":  # under DP the server must not know the draws
                 rng = (np.random.default_rng() if dp_clip is not None
                        else np.random.default_rng(_seed(seed, rnd, pid)))
+            d = delta.size
             quantize_into(delta, weight, clip_range=s[SecAggKey.CLIP], scale=s[SecAggKey.SCALE],
                           max_weight=s[SecAggKey.MAX_WEIGHT], rounding=s[SecAggKey.ROUNDING],
-                          out=quantized, rng=rng, factor=factor, threads=mask_threads(context))
+                          out=quantized[:d + 1], rng=rng, factor=factor,
+                          threads=mask_threads(context))
+            if stats is not None:  # the totals the server needs, inside the sum
+                quantized[d + 1:] = stats.encode(count_clipped(delta, s[SecAggKey.CLIP]),
+                                                 examples, _loss(update.metrics))
         context.state[INPUT] = _input_record(quantized, context)
         self._save(context, session, s, seed, pid, drop)
-        content = _protocol_content(reply)
-        if distributed is None and "train_loss" in update.metrics:
-            # the training loss, as plain rounds report it; never under distributed DP,
-            # whose guarantee holds against the server
-            content[RecordName.METRICS] = MetricRecord({
-                "train_loss": float(update.metrics["train_loss"]),
-                MetricKey.NUM_EXAMPLES: update.metrics[MetricKey.NUM_EXAMPLES]})
-        return Message(content, reply_to=msg)
+        return Message(_protocol_content(reply), reply_to=msg)
 
     def query(self, msg: Message, context: Context) -> Message:
         """Answer PUBLIC_KEYS, FORWARDED_SHARES or UNMASK_REQUEST from the stored session."""

@@ -19,6 +19,10 @@ stage drop out as in any secure round (the ring is formed from those still in th
 protocol) and take no further part. A ring that fails fails the round as in plain
 cross-silo rounds: masked vectors cannot be taken back out of a partial sum, so there is
 no recovery inside the ring.
+
+Each silo's masked vector carries its stat words (values clipped, examples,
+example-weighted loss) like any secure client's, so the ring's sum gives the round's
+training loss and clipped count without any silo's figure in the clear.
 """
 
 from __future__ import annotations
@@ -102,14 +106,15 @@ class SecureRing:
         stage = RingStage(rounds, run_id, rnd, order)
         outcome = secure_round(
             ctx.grid, nodes=order, arrays=ctx.model_record(), config=ctx.train_config(rnd),
-            settings=secure.settings, weight_by=rounds.weight_by, dim=ctx.layout.dim,
+            settings=secure.round_settings(ctx.dp), weight_by=rounds.weight_by,
+            dim=ctx.layout.dim,
             session=session_id(run_id), rnd=rnd,
             timeout=ctx.driver_config.deadline(ctx.fed.round_timeout_s), poll=ctx.fed.poll_s,
             on_reply=lambda i: ctx.reporter.client_done(rnd, i, len(order)), dp=ctx.dp,
             masked_input=stage)
         if stage.failure:
             outcome.abort_reason = stage.failure
-        aggregate = secure.aggregate(outcome, ctx.dp)
+        aggregate = secure.aggregate(outcome, ctx.dp, reporter=ctx.reporter)
         records = {r.client_id: r for r in outcome.update_records()}
         if stage.ring_failed:  # the ring's own verdict on its silos
             records.update({r.client_id: r for r in stage.outcome.records(version)})
@@ -117,7 +122,6 @@ class SecureRing:
         metrics = stage.outcome.metrics() if stage.outcome is not None else {"ring_silos": 0.0}
         if aggregate is not None:
             metrics["ring_total_weight"] = outcome.total_weight
-        metrics.update(outcome.train_loss())
         return secure_result(outcome, aggregate, num_sampled=len(order), metrics=metrics,
                              records=[records[str(n)] for n in outcome.participants],
                              status="failed" if aggregate is None and stage.ring_failed

@@ -314,8 +314,8 @@ class FedBuffRounds(RoundSource):
                                 timeout=ctx.fed.round_timeout_s, poll=ctx.fed.poll_s)
         self._bytes_up += ctx.grid.up - before  # the secure stages' replies
         self._records += buffer.records()
-        return secure_result(outcome, self.secure.aggregate(outcome, None), num_sampled=0,
-                             metrics={}, what="secure aggregation of the buffer")
+        return secure_result(outcome, self.secure.aggregate(outcome, None, reporter=ctx.reporter),
+                             num_sampled=0, metrics={}, what="secure aggregation of the buffer")
 
     def _traffic(self) -> dict[str, float]:
         """Bytes of this aggregate: the replies it processed (each counted in the round

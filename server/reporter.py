@@ -59,6 +59,9 @@ def status_line(summary: dict[str, Any]) -> str:
                  f"over clients): protects {summary['dp_sgd_protects']} against "
                  f"{summary['dp_sgd_protects_against']}")
     return line + (f"; {summary['stop_reason']}" if summary.get("stop_reason") else "")
+    if metrics.get("secagg_clipped"):  # values the clients clipped, from the secure sum
+        parts.append(f"{int(metrics['secagg_clipped'])} values clipped "
+                     f"({metrics.get('secagg_clipped_fraction', 0.0):.2%} of coordinates)")
 
 
 class LogReporter(Reporter):

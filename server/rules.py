@@ -101,7 +101,7 @@ def _resolve_secure_qsgd(config: dict[str, Any], cfg: CompressionConfig,
     settings = SecAggScenarioConfig.from_dict(secagg)
     n = max(2, max_round_size(config))
     cap = settings.weight_cap(config["aggregation"]["weight_by"])
-    c = settings.clip_range
+    c = settings.start_range
     need = next((b for b in range(SECURE_MIN_BITS, 65)
                  if max_level(c, max_scale(n, b, c, cap), cap) >= 1 << cfg.bits), None)
     if need is None:
@@ -346,10 +346,10 @@ def check_secagg(config: Mapping[str, Any]) -> SecAggScenarioConfig | None:
     except ValueError as exc:
         raise ValueError(f"secagg: the masked sum could wrap around 2^{cfg.bits}: {exc}") \
             from None
-    level = max_level(cfg.clip_range, scale, cap)
+    level = max_level(cfg.start_range, scale, cap)
     if level < 1 << MIN_LEVEL_BITS:
         need = next((b for b in range(cfg.bits + 1, 65) if max_level(
-            cfg.clip_range, max_scale(n, b, cfg.clip_range, cap), cap) >= 1 << MIN_LEVEL_BITS),
+            cfg.start_range, max_scale(n, b, cfg.start_range, cap), cap) >= 1 << MIN_LEVEL_BITS),
             64)
         raise ValueError(f"secagg.bits = {cfg.bits} leaves {level} quantization levels per "
                          f"coordinate for {n} clients (fewer than 2^{MIN_LEVEL_BITS}): raise "

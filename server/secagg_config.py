@@ -18,8 +18,14 @@ delta, and the server learns only the sum over the round's survivors (see
   that exposes more clients than Bell et al.'s bound allows, and more than "auto" would,
   is warned about at start (:func:`exposure_warning`);
 - ``bits``: the modulus 2^bits of the masked sums; ``clip_range``: each coordinate of
-  a delta is clipped to [-clip_range, clip_range]; ``max_weight``: a client's weight is
-  min(num_examples, max_weight) (1 with ``aggregation.weight_by = "uniform"``);
+  a delta is clipped to [-clip_range, clip_range]: "auto" (the default) sets each
+  round's range from public figures only (``server.secure_range``: the DP clip under
+  central DP, else the previous round's aggregate times a margin, from
+  :data:`AUTO_START_RANGE` in the first round), a number fixes it; clients count what
+  they clip, and the round records the total (``secagg_clipped``);
+  ``max_weight``: a client's weight is min(num_examples, max_weight) (1 with
+  ``aggregation.weight_by = "uniform"``), and its examples count towards the round's
+  training-loss total up to max_weight;
   ``scale``: fixed-point scale, 0 for the largest power of two that cannot wrap;
   ``rounding``: "nearest" or "stochastic" (unbiased);
 - ``dropout`` (simulations): this fraction of the federation's clients vanishes in each
@@ -55,17 +61,19 @@ ROUNDINGS = ("nearest", "stochastic")
 MIN_LEVEL_BITS = 8  # a client's coordinate must keep at least this many bits of resolution
 DEFAULT_THRESHOLD = 0.5
 PLANNED_DROPOUT = 0.1  # the dropout rate "auto" plans for, unless ``dropout`` is higher
+AUTO_START_RANGE = 1024.0  # clip_range = "auto": the first round's range, before any aggregate
 
 
 @dataclass(frozen=True)
 class SecAggScenarioConfig:
-    """``[secagg]``; ``neighbors`` and ``threshold`` None mean "auto" and 0.5."""
+    """``[secagg]``; ``neighbors``, ``threshold`` and ``clip_range`` None mean "auto", 0.5
+    and "auto"."""
 
     enabled: bool = False
     neighbors: Any = None
     threshold: Any = None
     bits: int = 32
-    clip_range: float = 1.0
+    clip_range: Any = None  # None: "auto"
     max_weight: float = 1000.0
     scale: float = 0.0
     rounding: str = "nearest"
@@ -115,9 +123,21 @@ class SecAggScenarioConfig:
                              f"{DEFAULT_CORRUPT_FRACTION}), got {cf!r}")
         if not 8 <= self.bits <= 64:
             raise ValueError(f"secagg.bits must be in [8, 64], got {self.bits}")
-        if not self.clip_range > 0 or not self.max_weight > 0 or not self.scale >= 0:
-            raise ValueError("secagg.clip_range and secagg.max_weight must be > 0, and "
+        if self.clip_range is None:
+            object.__setattr__(self, "clip_range", "auto")
+        c = self.clip_range
+        if c != "auto" and (isinstance(c, bool) or not isinstance(c, int | float) or
+                            not c > 0):
+            raise ValueError(f"secagg.clip_range must be \"auto\" (each round's range from "
+                             f"the previous aggregate) or a number > 0, got {c!r}")
+        if not self.max_weight > 0 or not self.scale >= 0:
+            raise ValueError("secagg.max_weight must be > 0, and "
                              "secagg.scale >= 0 (0: the largest that cannot wrap)")
+        if c == "auto" and self.scale > 0:
+            raise ValueError(f"secagg.scale = {self.scale:g} with secagg.clip_range = \"auto\": "
+                             "the range changes from round to round and the scale must follow "
+                             "it so that the sum cannot wrap; set secagg.scale = 0, or a fixed "
+                             "secagg.clip_range")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"secagg.rounding must be one of {', '.join(ROUNDINGS)}, "
                              f"got '{self.rounding}'")
@@ -130,6 +150,20 @@ class SecAggScenarioConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SecAggScenarioConfig:
         return cls(**dict(values or {}))
+
+    @property
+    def auto_range(self) -> bool:
+        """Whether each round picks its own clip range (``clip_range = "auto"``)."""
+        return self.clip_range == "auto"
+
+    @property
+    def start_range(self) -> float:
+        """The fixed clip range, or the first round's under "auto"."""
+        return AUTO_START_RANGE if self.auto_range else float(self.clip_range)
+
+    def with_range(self, clip_range: float) -> SecAggScenarioConfig:
+        """These settings with a fixed clip range (one round's)."""
+        return replace(self, clip_range=float(clip_range))
 
     def weight_cap(self, weight_by: str) -> float:
         """The largest client weight: ``max_weight``, or 1 for uniform weights."""
@@ -199,9 +233,9 @@ class SecAggScenarioConfig:
         """The fixed-point scale of a round with ``n`` participants (checked for wrap)."""
         cap = self.weight_cap(weight_by)
         if self.scale > 0:
-            check_headroom(n, self.bits, self.clip_range, cap, scale=self.scale)
+            check_headroom(n, self.bits, self.start_range, cap, scale=self.scale)
             return float(self.scale)
-        return max_scale(n, self.bits, self.clip_range, cap)
+        return max_scale(n, self.bits, self.start_range, cap)
 
 
 def max_round_size(config: Mapping[str, Any]) -> int:

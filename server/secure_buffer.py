@@ -14,7 +14,9 @@ The server knows each ready client's base version, so an update beyond
 ``max_staleness`` is refused before the secure stages. A client that drops during them
 is recovered by SecAgg+, or the buffer aborts: the model stays as it is and the run
 goes on. Per update the server knows only its base version, staleness and factor: the
-stored ``weight`` is s(tau); the example count and the norm stay hidden.
+stored ``weight`` is s(tau); the example count and the norm stay hidden. The buffer's
+training loss and clipped count come from the sum's stat words (``server.secure_round``),
+the example-weighted mean over the survivors, as a plain buffer's.
 
 With top-k on a shared pattern (``[compression]``) the pattern is the buffer's round's:
 each client picks those coordinates of the delta it holds once SETUP comes, so the
@@ -104,7 +106,8 @@ class SecureBuffer:
         the clients pick its coordinates of the delta they hold when SETUP comes)."""
         self.outcome = secure_round(
             grid, nodes=list(self.ready), arrays=None, config=None,
-            settings=self.secure.settings, weight_by=self.secure.weight_by, dim=dim,
+            settings=self.secure.round_settings(None), weight_by=self.secure.weight_by,
+            dim=dim,
             session=session_id(run_id), rnd=rnd, timeout=timeout, poll=poll,
             held=self.factors(), sparse=self.secure.pattern(run_id, rnd, dim))
         return self.outcome

@@ -19,6 +19,15 @@ sum(w_i * clip(delta_i)) and sum(w_i), and the mean (or the sum, for ``combine =
 "sum"``) goes through the pipeline's server optimizer like any other aggregate. An
 aborted round leaves the model unchanged.
 
+The figures the round needs besides the model also come out of the sum, never one
+client's in the clear: each client's vector carries, after its weight, the number of
+values it clipped, its example count and its example-weighted training loss
+(``privacy.secagg.quantize.StatWords``), so the server learns their totals: the
+round's ``train_loss`` (the example-weighted mean, as a plain round's) and
+``secagg_clipped`` (with ``secagg_clipped_fraction`` of the coordinates summed and the
+round's ``secagg_clip_range``, set by ``server.secure_range``). Distributed DP sends
+none of them: its noisy sum is all the server learns.
+
 Top-k on a shared pattern (``server.compression.SharedPattern``): the SETUP record also
 carries the compression request, the clients mask only the round's ``k`` coordinates
 plus the weight (SecAgg+ vectors of ``k + 1`` words), and the unmasked sum is scattered
@@ -48,23 +57,31 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from client.protocol.keys import ConfigKey, MetricKey
+from client.protocol.keys import ConfigKey
 from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize_weighted
-from privacy.secagg.quantize import contribution_clip, decode_error_l2, max_level
+from privacy.secagg.quantize import (
+    LOSS_RANGE,
+    StatWords,
+    contribution_clip,
+    decode_error_l2,
+    max_level,
+)
 from server.compression import RoundPattern, SharedPattern
 from server.exchange import collect, push
-from server.rounds import RoundResult, RunContext, mean_loss
+from server.rounds import RoundResult, RunContext
 from server.secagg_config import SecAggScenarioConfig
+from server.secure_range import ClipRange
 from server.store import UpdateRecord
 from server.sync_rounds import Collector
 
 if TYPE_CHECKING:
     from server.dp import DPController
+    from server.reporter import Reporter
     from server.scenario import ServerScenario
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
@@ -102,7 +119,12 @@ class SecureRoundOutcome:
     server_seconds: dict[str, float] = field(default_factory=dict)  # inside SecAggServer
     server_cpu_seconds: dict[str, float] = field(default_factory=dict)  # its CPU time
     noise_multiplier: float | None = None  # distributed DP: what the decoded sum's noise is
-    losses: dict[int, tuple[float, float]] = field(default_factory=dict)  # (loss, examples)
+    round: int = 0
+    clip_range: float = 0.0  # the round's per-coordinate range (0: distributed DP)
+    coordinates: int = 0  # model coordinates in each client's vector
+    clipped: int | None = None  # values the survivors clipped (None: not in the sum)
+    examples: float = 0.0  # the survivors' examples (those reporting a loss), from the sum
+    loss_sum: float = 0.0  # their sum of examples * train_loss, from the sum
 
     def session_record(self) -> dict[str, Any]:
         """The stored secure-aggregation session (``Store.record_secagg_round``'s keys)."""
@@ -113,8 +135,21 @@ class SecureRoundOutcome:
                 "seconds": self.stage_seconds}
 
     def train_loss(self) -> dict[str, float]:
-        """The survivors' example-weighted mean training loss, when they reported one."""
-        return mean_loss([self.losses[n] for n in self.survivors if n in self.losses])
+        """The survivors' example-weighted mean training loss, decoded from the sum's
+        totals (empty when no survivor reported a loss, or under distributed DP)."""
+        if self.status != "completed" or not self.examples > 0:
+            return {}
+        return {"train_loss": self.loss_sum / self.examples}
+
+    def metrics(self) -> dict[str, float]:
+        """The round's figures from the sum: ``train_loss``, ``secagg_clipped`` and its
+        fraction of the coordinates summed, and the round's ``secagg_clip_range``."""
+        if self.clipped is None:
+            return {}
+        summed = self.coordinates * len(self.survivors)
+        return {**self.train_loss(), "secagg_clipped": float(self.clipped),
+                "secagg_clipped_fraction": self.clipped / summed if summed else 0.0,
+                "secagg_clip_range": self.clip_range}
 
     def update_records(self) -> list[UpdateRecord]:
         """One record per participant: accepted survivor, dropped or rejected (why)."""
@@ -154,17 +189,6 @@ def _payload(reply: Message) -> bytes:
     return value if isinstance(value, bytes) else b""
 
 
-def _reported_loss(reply: Message) -> tuple[float, float] | None:
-    """(train_loss, examples) from a training reply's metrics, if it reports them."""
-    metrics = reply.content.get("metrics")
-    if not isinstance(metrics, MetricRecord) or "train_loss" not in metrics:
-        return None
-    loss, examples = metrics["train_loss"], metrics.get(MetricKey.NUM_EXAMPLES, 1)
-    if not isinstance(loss, int | float) or not isinstance(examples, int | float):
-        return None
-    return float(loss), float(examples)
-
-
 def _push_and_collect(grid: Grid, messages: list[Message], *, timeout: float, poll: float,
                       on_reply: Callable[[int, Message], None]) -> None:
     """Push, then hand each reply to ``on_reply(node, reply)`` until all came or time is up."""
@@ -191,9 +215,14 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     their trained deltas: the first message is ``query.secagg`` with SETUP and the factor,
     without a model, and the sum decodes to sum(w_i * s(tau_i) * clip(delta_i)).
 
+    ``settings.clip_range`` is the round's (a number: ``server.secure_range``); each
+    client's vector ends with its stat words (values clipped, examples, loss), whose
+    totals the outcome keeps.
+
     With ``dp`` in central mode the clients clip to ``dp.clip``; in distributed mode
     (``dp.plan`` set) they add integer noise and the outcome's ``weighted_sum`` is the
-    noisy sum of the clipped deltas, ``total_weight`` the number of survivors.
+    noisy sum of the clipped deltas, ``total_weight`` the number of survivors; no stat
+    words then.
 
     With ``sparse`` (top-k on a shared pattern) the clients mask only the pattern's ``k``
     coordinates plus the weight; the unmasked sum is scattered back into ``dim``.
@@ -203,7 +232,7 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     (``SecAggServer.receive_sum``; cross-silo rounds sum them over a ring).
     """
     participants = sorted(int(n) for n in nodes)
-    outcome = SecureRoundOutcome(status="aborted", participants=participants)
+    outcome = SecureRoundOutcome(status="aborted", participants=participants, round=rnd)
     plan: DistributedDPPlan | None = None
     try:
         k, t = settings.graph(len(participants))
@@ -218,12 +247,16 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     cap = settings.weight_cap(weight_by)
     outcome.k, outcome.t, outcome.scale = k, t, scale
     sent = sparse.indices.size if sparse is not None else dim  # coordinates under the masks
-    words = plan.padded_dim if plan is not None else sent + 1
+    outcome.coordinates = sent
+    stats = None if plan is not None else StatWords(
+        sent, max_level(settings.start_range, scale, cap), float(settings.max_weight))
+    outcome.clip_range = 0.0 if stats is None else settings.start_range
+    words = plan.padded_dim if stats is None else sent + 1 + stats.words
     server = SecAggServer(SecAggConfig.create(participants, words, bits=settings.bits, k=k,
                                               t=t, run_id=session, round_id=rnd),
                           settings.policy)
     setup = ConfigRecord({SecAggKey.RUN: session, SecAggKey.ROUND: rnd, SecAggKey.SCALE: scale,
-                          SecAggKey.CLIP: settings.clip_range, SecAggKey.MAX_WEIGHT: cap,
+                          SecAggKey.CLIP: settings.start_range, SecAggKey.MAX_WEIGHT: cap,
                           SecAggKey.WEIGHT_BY: weight_by, SecAggKey.ROUNDING: settings.rounding,
                           SecAggKey.DROPOUT: settings.dropout,
                           SecAggKey.DROPOUT_STAGE: settings.dropout_stage})
@@ -231,8 +264,11 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     if plan is not None:
         setup[SecAggKey.DP_PLAN] = json.dumps({**plan.to_dict(),
                                                SecAggKey.ROTATION_SEED: rotation_seed})
-    elif dp is not None and dp.config.mode == "central":
-        setup[SecAggKey.DP_CLIP] = float(dp.clip)
+    else:  # the stat words' bounds
+        setup[SecAggKey.MAX_EXAMPLES] = float(settings.max_weight)
+        setup[SecAggKey.LOSS_RANGE] = LOSS_RANGE
+        if dp is not None and dp.config.mode == "central":
+            setup[SecAggKey.DP_CLIP] = float(dp.clip)
     if sparse is not None:
         setup[ConfigKey.COMPRESSION] = sparse.request
     group = str(rnd)
@@ -259,10 +295,6 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
             outcome.errors[node] = _first_line(reply.error.reason)
             return
         payload = _payload(reply)
-        if server.stage is Stage.ADVERTISE_KEYS:
-            loss = _reported_loss(reply)
-            if loss is not None:
-                outcome.losses[node] = loss
         if not payload:
             outcome.errors[node] = "reply without a secure-aggregation payload"
         server.receive(node, payload)
@@ -297,8 +329,11 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
         weight = float(len(outcome.survivors))
         outcome.noise_multiplier = plan.noise_multiplier_with(len(outcome.survivors))
     else:
-        total, weight = dequantize_weighted(server.result(), len(outcome.survivors),
-                                            clip_range=settings.clip_range, scale=scale,
+        assert stats is not None
+        result = server.result()
+        outcome.clipped, outcome.examples, outcome.loss_sum = stats.decode(result[sent + 1:])
+        total, weight = dequantize_weighted(result[:sent + 1], len(outcome.survivors),
+                                            clip_range=settings.start_range, scale=scale,
                                             max_weight=cap)
         if sparse is not None:
             total = sparse.scatter(total, dim)
@@ -341,7 +376,7 @@ def central_dp_clip(settings: SecAggScenarioConfig, *, clip: float, dim: int, cl
         """(scale, rounding margin, clip kept) with a 2^bits modulus."""
         cfg = replace(settings, bits=bits)
         scale = cfg.scale_for(clients, weight_by)
-        level = max_level(cfg.clip_range, scale, cap)
+        level = max_level(cfg.start_range, scale, cap)
         margin = decode_error_l2(dim, scale, cfg.rounding, level)  # type: ignore[arg-type]
         return scale, margin, contribution_clip(clip, dim=dim, scale=scale,
                                                 rounding=cfg.rounding,  # type: ignore[arg-type]
@@ -367,7 +402,7 @@ def central_dp_clip(settings: SecAggScenarioConfig, *, clip: float, dim: int, cl
     elif need is None:
         fix = "no modulus up to 2^64 is enough"
     elif qsgd:  # the resolved modulus is the smallest whose levels reach 2^compression.bits
-        levels = max_level(settings.clip_range, at(need - 1)[0], cap).bit_length()
+        levels = max_level(settings.start_range, at(need - 1)[0], cap).bit_length()
         fix = (f"raise compression.bits to >= {levels} (secure QSGD sets secagg.bits from "
                f"it; a {need}-bit modulus is needed)" if levels <= 16 else
                f"secure QSGD cannot (compression.bits <= 16): set compression.kind = 'none' "
@@ -391,6 +426,12 @@ class SecureSettings:
         self.combine = combine
         self.weight_by = weight_by
         self.max_clients = max_clients  # the most participants a round can have
+        self.range = ClipRange(settings, qsgd=qsgd)  # each round's clip range
+
+    def round_settings(self, dp: DPController | None) -> SecAggScenarioConfig:
+        """The next round's settings, its clip range fixed (``server.secure_range``)."""
+        central = dp is not None and dp.config.mode == "central"
+        return self.range.for_round(float(dp.clip) if central and dp is not None else None)
 
     def prepare(self, ctx: RunContext) -> None:
         """At the start of a run: plan distributed DP for the model and ``[secagg] bits``
@@ -398,7 +439,7 @@ class SecureSettings:
         that rounding leaves clients enough of the clip (:func:`central_dp_clip`)."""
         dp, dim = ctx.dp, ctx.layout.dim
         if dp is not None and dp.config.mode == "central":
-            central_dp_clip(self.settings, clip=dp.clip, clients=max(2, self.max_clients),
+            central_dp_clip(self.round_settings(dp), clip=dp.clip, clients=max(2, self.max_clients),
                             dim=self.sparse.config.k_for(dim) if self.sparse else dim,
                             weight_by=self.weight_by, qsgd=self.qsgd)
         if dp is not None and dp.config.mode == "distributed" and dp.plan is None:
@@ -409,11 +450,15 @@ class SecureSettings:
         return self.sparse.for_round(run_id, rnd, dim) if self.sparse is not None else None
 
     def aggregate(self, outcome: SecureRoundOutcome, dp: DPController | None,
-                  weight: float | None = None) -> np.ndarray | None:
+                  weight: float | None = None,
+                  reporter: Reporter | None = None) -> np.ndarray | None:
         """The decoded sum as the pipeline takes it (None: nothing to apply): the mean (or
         the sum, ``combine = "sum"``) over ``weight`` (default the sum's weight); central
         DP: the sum (the pipeline noises it and divides by the public count); distributed
-        DP: the noisy sum over the expected count, a number that does not depend on data."""
+        DP: the noisy sum over the expected count, a number that does not depend on data.
+        The next round's clip range follows from the outcome; the run's first round
+        whose clients clipped warns (logged, and to ``reporter``)."""
+        self.range.observe(outcome, reporter)
         if outcome.weighted_sum is None or outcome.total_weight <= 0:
             return None
         divisor = 1.0 if self.combine == "sum" else (weight or outcome.total_weight)
@@ -438,22 +483,25 @@ class SecureSum(Collector):
         ctx, secure = self.ctx, self.secure
         outcome = secure_round(
             ctx.grid, nodes=cohort, arrays=ctx.model_record(), config=ctx.train_config(rnd),
-            settings=secure.settings, weight_by=secure.weight_by, dim=ctx.layout.dim,
+            settings=secure.round_settings(ctx.dp), weight_by=secure.weight_by,
+            dim=ctx.layout.dim,
             session=session_id(run_id), rnd=rnd, timeout=ctx.fed.round_timeout_s,
             poll=ctx.fed.poll_s, on_reply=lambda i: ctx.reporter.client_done(rnd, i, len(cohort)),
             dp=ctx.dp, sparse=secure.pattern(run_id, rnd, ctx.layout.dim))
         clock = ctx.clock
         if clock.simulated:  # the slowest participant's training
             clock.advance_to(max([clock.outcome(n).end for n in cohort] or [clock.now()]))
-        return secure_result(outcome, secure.aggregate(outcome, ctx.dp),
-                             num_sampled=len(cohort), metrics=outcome.train_loss())
+        return secure_result(outcome, secure.aggregate(outcome, ctx.dp, reporter=ctx.reporter),
+                             num_sampled=len(cohort), metrics={})
 
 
 def secure_result(outcome: SecureRoundOutcome, aggregate: np.ndarray | None, *,
                   num_sampled: int, metrics: dict[str, float],
                   records: list[UpdateRecord] | None = None,
                   status: str | None = None, what: str = "secure aggregation") -> RoundResult:
-    """The ``RoundResult`` of a secure session whose aggregate is ``aggregate``."""
+    """The ``RoundResult`` of a secure session whose aggregate is ``aggregate``, with the
+    figures decoded from its sum (:meth:`SecureRoundOutcome.metrics`) among its metrics."""
+    metrics = {**outcome.metrics(), **metrics}
     applied = aggregate is not None
     status = status or ("completed" if applied else
                         "aborted" if outcome.status == "aborted" else "failed")

@@ -57,6 +57,8 @@ class RichReporter(Reporter):
         if "dp_sgd_epsilon" in metrics:  # the largest client's DP-SGD figure (sample-level)
             info += f"  dp-sgd eps {metrics['dp_sgd_epsilon']:.3g}"
         self.progress.update(self._rounds, completed=rnd, info=info)
+        if metrics.get("secagg_clipped"):  # values clipped under secure aggregation
+            info += f"  clipped {int(metrics['secagg_clipped'])}"
 
     def message(self, text: str) -> None:
         self.progress.console.print(f"[yellow]{text}")

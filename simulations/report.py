@@ -14,7 +14,7 @@ SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
                   "masked_input": "drop@input", "unmasking": "drop@unmask"}
 # what ``fedring report`` shows without --wide: readable at 80 columns
 ESSENTIAL_COLUMNS = ("round", "status", "accepted", "rejected", "dropped", "accuracy", "loss",
-                     "epsilon")
+                     "epsilon", "secagg_clipped")
 RUN_COLUMNS = ("run", "name", "status", "rounds", "accuracy", "created")
 
 

@@ -8,6 +8,11 @@ uint8 Array (``SecAggKey.VECTOR``) in the ``SecAggRecord.VECTOR`` ArrayRecord. S
 FedBuff first sends ``train.secagg_hold`` (train and hold the delta, answer
 ``SecAggKey.READY``), then the buffer's SETUP in a ``query.secagg`` with
 ``SecAggKey.FACTOR``.
+
+A client's quantized vector is its coordinates, its weight, then (unless distributed DP
+is on) ``privacy.secagg.quantize.STAT_WORDS`` stat words whose sums give the round's
+totals: values clipped, examples and example-weighted training loss. No per-client
+figure travels in the clear.
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class SecAggKey(Names):
     DP_CLIP = "dp-clip"
     DP_PLAN = "dp-plan"
     ROTATION_SEED = "rotation_seed"
+    # The stat words' bounds (absent under distributed DP, which sends no stat words):
+    # examples count up to MAX_EXAMPLES, the training loss is clipped to +-LOSS_RANGE.
+    MAX_EXAMPLES = "max-examples"
+    LOSS_RANGE = "loss-range"
 
 
 #: The settings every SETUP record carries, with their types.

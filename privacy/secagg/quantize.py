@@ -17,6 +17,12 @@ goes through float64, exact while n*L < 2^53.
 
 Without a weight (:func:`quantize` / :func:`dequantize`) the same map is used
 with w = W = 1 and no extra coordinate.
+
+The round's figures the server needs travel in the sum too, as more words after the
+weight (:class:`StatWords`): how many values the client clipped, its example count e
+(at most E = ``max_examples``) and its example-weighted training loss e * (loss + R)
+with the loss clipped to [-R, R] (R = ``loss_range``), as integers in base-(L+1)
+digits, each within [0, L], so the headroom check covers them as well.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -83,6 +90,79 @@ def max_scale(n: int, bits: int, clip_range: float, max_weight: float = 1.0) -> 
         except ValueError:
             scale /= 2
     raise ValueError("no positive scale fits")  # pragma: no cover
+
+
+LOSS_RANGE = 256.0  # a training loss is clipped to [-LOSS_RANGE, LOSS_RANGE] for its total
+LOSS_STEP = 2.0**-16  # the resolution of one client's examples * (loss + LOSS_RANGE)
+
+
+def _digits(top: int, base: int) -> int:
+    """How many base-``base`` digits write every integer in [0, top]."""
+    count, span = 1, base
+    while span <= top:
+        count, span = count + 1, span * base
+    return count
+
+
+@dataclass(frozen=True)
+class StatWords:
+    """The stat words after the weight: the values a client clipped, its example count
+    e = min(examples, floor(max_examples)) and round(e * (loss + R) / LOSS_STEP) with the
+    loss clipped to [-R, R] (R = ``loss_range``), each an exact integer written in
+    base-(L+1) digits (L = ``level``) so that every word stays within [0, L]: the sum of
+    n clients' words cannot wrap (:func:`check_headroom`) and decodes to the exact sums.
+    """
+
+    dim: int  # coordinates a client can clip
+    level: int
+    max_examples: float
+    loss_range: float = LOSS_RANGE
+
+    @property
+    def _tops(self) -> tuple[int, int, int]:
+        e = math.floor(self.max_examples)
+        return self.dim + 2, e, e * round(2 * self.loss_range / LOSS_STEP)
+
+    @property
+    def words(self) -> int:
+        return sum(_digits(top, self.level + 1) for top in self._tops)
+
+    def encode(self, clipped: int, examples: float, loss: float | None) -> np.ndarray:
+        """One client's words: its ``clipped`` coordinates plus one for an example count
+        above ``max_examples`` and one for a loss outside [-R, R] or not finite; its
+        examples and loss. Without a loss (None) both are 0: the totals cover the
+        clients that report one, as a plain round's mean does."""
+        e_top = self._tops[1]
+        e, value = 0, 0
+        if loss is not None:
+            e = min(max(round(examples), 0), e_top)
+            clipped += int(examples > e_top)
+            finite = math.isfinite(loss)
+            clipped += int(not finite or abs(loss) > self.loss_range)
+            kept = min(max(loss, -self.loss_range), self.loss_range) if finite \
+                else self.loss_range
+            value = round(e * (kept + self.loss_range) / LOSS_STEP)
+        base = self.level + 1
+        out = []
+        for number, top in zip((min(clipped, self.dim + 2), e, value), self._tops, strict=True):
+            for _ in range(_digits(top, base)):
+                number, digit = divmod(number, base)
+                out.append(digit)
+        return np.array(out, dtype=np.uint64)
+
+    def decode(self, total: np.ndarray) -> tuple[int, float, float]:
+        """(values clipped, examples, sum of examples * loss) from the sum of n clients'
+        words: exact but for each client's rounding of its loss term (LOSS_STEP / 2)."""
+        sums = [int(w) for w in np.asarray(total).reshape(-1)]
+        if len(sums) != self.words:
+            raise ValueError(f"expected {self.words} stat words, got {len(sums)}")
+        base, values, at = self.level + 1, [], 0
+        for top in self._tops:
+            count = _digits(top, base)
+            values.append(sum(d * base**i for i, d in enumerate(sums[at:at + count])))
+            at += count
+        clipped, examples, value = values
+        return clipped, float(examples), value * LOSS_STEP - self.loss_range * examples
 
 
 def error_bound(n: int, scale: float, rounding: Rounding = "stochastic") -> float:

@@ -24,7 +24,7 @@ from client.protocol.npy import npy_view
 from client.protocol.secagg import SecAggAction
 from client.secure_client import register_secagg
 from privacy.dp import DPConfig
-from privacy.secagg.quantize import dequantize_weighted
+from privacy.secagg.quantize import StatWords, dequantize_weighted, max_level
 from server.compression import SharedPattern
 from server.dp import DPController
 from server.secagg_config import SecAggScenarioConfig
@@ -86,7 +86,8 @@ def decoded_norms(out, inputs, settings, weight_by="uniform") -> list[float]:
     norms = []
     cap = settings.weight_cap(weight_by)
     for words in inputs.values():
-        alone, weight = dequantize_weighted(words, 1, clip_range=settings.clip_range,
+        alone, weight = dequantize_weighted(words[:out.coordinates + 1], 1,  # not the stats
+                                            clip_range=settings.clip_range,
                                             scale=out.scale, max_weight=cap)
         assert weight == pytest.approx(1.0 if weight_by == "uniform" else 10.0,
                                        abs=1 / out.scale)
@@ -96,7 +97,8 @@ def decoded_norms(out, inputs, settings, weight_by="uniform") -> list[float]:
 
 @pytest.mark.parametrize(("rounding", "dim"), [("nearest", 50_000), ("stochastic", 50_000)])
 def test_a_decoded_contribution_stays_within_the_clip(rounding, dim):
-    settings = SecAggScenarioConfig(enabled=True, bits=12, rounding=rounding)
+    # under central DP each round's clip range is dp.clip (server.secure_range)
+    settings = SecAggScenarioConfig(enabled=True, bits=12, rounding=rounding, clip_range=C)
     out, inputs = run(big_deltas(dim), settings, dp=central())
     assert out.scale == 512  # 12 bits for 3 clients: rounding errs by up to 1/1024 or 1/512
     norms = decoded_norms(out, inputs, settings)
@@ -111,7 +113,7 @@ def test_a_decoded_contribution_stays_within_the_clip(rounding, dim):
 def test_a_weighted_contribution_stays_within_the_clip():
     # the scenario refuses weights with central DP; a client does not rely on that: weight
     # 10 (its example count) multiplies its words, so it clips to C / 10
-    settings = SecAggScenarioConfig(enabled=True, bits=32)
+    settings = SecAggScenarioConfig(enabled=True, bits=32, clip_range=C)
     out, inputs = run(big_deltas(5_000), settings, dp=central(), weight_by="examples")
     norms = decoded_norms(out, inputs, settings, weight_by="examples")
     assert max(norms) <= C and min(norms) > 0.99 * C
@@ -125,7 +127,8 @@ def test_the_modulus_the_refusal_asks_for_is_the_least_that_fits():
 
     def check(overrides: list[str], qsgd: bool = False) -> float:
         cfg = load_scenario("default", [*base, *overrides])
-        return central_dp_clip(SecAggScenarioConfig.from_dict(cfg["secagg"]), clip=C,
+        return central_dp_clip(SecAggScenarioConfig.from_dict(cfg["secagg"]).with_range(C),
+                               clip=C,
                                dim=dim, clients=clients, weight_by="uniform", qsgd=qsgd)
 
     with pytest.raises(ValueError, match=r"compression\.bits to >= (\d+)") as err:
@@ -147,7 +150,7 @@ def test_secure_qsgd_contribution_stays_within_the_clip():
                                     "compression.kind=qsgd", "compression.bits=8",
                                     "dp.mode=central", f"dp.clip={C}", "dp.noise_multiplier=1",
                                     "aggregation.weight_by=uniform"])
-    settings = SecAggScenarioConfig.from_dict(cfg["secagg"])
+    settings = SecAggScenarioConfig.from_dict(cfg["secagg"]).with_range(C)
     assert settings.rounding == "stochastic"  # the scenario resolved QSGD's modulus
     out, inputs = run(big_deltas(10_000), settings, dp=central())
     assert out.scale == 128  # 2^8 levels per coordinate
@@ -161,17 +164,19 @@ def test_shared_pattern_contribution_stays_within_the_clip():
                                     "compression.shared_pattern=true", "compression.fraction=0.5",
                                     "dp.mode=central", f"dp.clip={C}", "dp.noise_multiplier=1",
                                     "aggregation.weight_by=uniform"])
-    settings = SecAggScenarioConfig.from_dict(cfg["secagg"])
+    settings = SecAggScenarioConfig.from_dict(cfg["secagg"]).with_range(C)
     pattern = SharedPattern.of(CompressionConfig(**cfg["compression"]),
                                secure=True).for_round("run", 1, dim)
     assert pattern.indices.size == dim // 2
     out, inputs = run(big_deltas(dim), settings, dp=central(), sparse=pattern)
-    assert all(words.size == dim // 2 + 1 for words in inputs.values())  # k values + weight
+    assert all(words.size == dim // 2 + 1 + StatWords(dim // 2, max_level(C, out.scale, 1.0),
+                                                      1000.0).words
+               for words in inputs.values())  # k values, the weight, the stat words
     assert max(decoded_norms(out, inputs, settings)) <= C
 
 
 def test_a_setup_with_no_room_for_the_rounding_is_refused_by_the_client():
-    settings = SecAggScenarioConfig(enabled=True, bits=12, rounding="stochastic")
+    settings = SecAggScenarioConfig(enabled=True, bits=12, rounding="stochastic", clip_range=C)
     deltas = big_deltas(400_000)  # sqrt(d) / scale = 1.2 > C
     inputs: dict[int, np.ndarray] = {}
     out = secure_round(InProcessGrid(recording_app(deltas, inputs), N), nodes=list(deltas),
@@ -183,7 +188,7 @@ def test_a_setup_with_no_room_for_the_rounding_is_refused_by_the_client():
 
 
 def test_stochastic_rounding_under_dp_is_not_replayable_from_the_run_seed():
-    settings = SecAggScenarioConfig(enabled=True, bits=12, rounding="stochastic")
+    settings = SecAggScenarioConfig(enabled=True, bits=12, rounding="stochastic", clip_range=C)
     deltas = big_deltas(20_000)
     first = run(deltas, settings, dp=central(), seed=7)[1]
     again = run(deltas, settings, dp=central(), seed=7)[1]
@@ -201,7 +206,7 @@ def test_a_scale_too_coarse_for_the_clip_fails_at_start_naming_the_key(run_inpro
               "aggregation.weight_by=uniform"]
     qsgd = load_scenario("default", [*common, "compression.kind=qsgd", "compression.bits=8"])
     dim = build_task(qsgd).initial_params()[0].size
-    settings = SecAggScenarioConfig.from_dict(qsgd["secagg"])
+    settings = SecAggScenarioConfig.from_dict(qsgd["secagg"]).with_range(C)
     # the scale QSGD's modulus gives 4 clients, and what it leaves of the clip (< C / 2)
     scale = settings.scale_for(4, "uniform")
     assert C - np.sqrt(dim) / scale < C / 2

@@ -31,7 +31,7 @@ from privacy.secagg.messages import (
     read_header,
     wire_dtype,
 )
-from privacy.secagg.quantize import error_bound
+from privacy.secagg.quantize import StatWords, error_bound, max_level, max_scale
 from server.compression import SharedPattern
 from server.secagg_config import SecAggScenarioConfig
 from server.secure_round import secure_round
@@ -137,7 +137,9 @@ def test_shared_pattern_round_sums_k_values_and_keeps_the_rest(clip):
     k = idx.size
     assert k == DIM // 10
     setups = [decode_setup(m)[1] for _, kind, m in seen if kind == "train.secagg"]
-    assert len(setups) == N and all(s.dim == k + 1 for s in setups)  # k values + the weight
+    stats = StatWords(k, max_level(clip, out.scale, 100.0), 100.0).words
+    # k values, the weight and the stat words (values clipped, examples, loss)
+    assert len(setups) == N and all(s.dim == k + 1 + stats for s in setups)
     # the exact weighted sum of the clipped pattern values, zero elsewhere
     w = {node: float(min(examples, 100)) for node, (_, examples) in inputs.items()}
     exact = np.zeros(DIM)
@@ -250,10 +252,19 @@ def test_secure_randk_and_qsgd_runs_learn_like_plain_ones_and_upload_less(run_in
     for sparse, dense, quantized in zip(rounds["secure"], rounds["dense"], rounds["qsgd"],
                                         strict=True):
         assert dense.metrics["bytes_up"] - sparse.metrics["bytes_up"] == 8 * (dim - k) * 4
-        assert dense.metrics["bytes_up"] - quantized.metrics["bytes_up"] == 8 * (dim + 1) * 2
+        assert dense.metrics["bytes_up"] - quantized.metrics["bytes_up"] == 8 * (
+            words(dense.metrics, dim, 32) * 4 - words(quantized.metrics, dim, runs_bits) * 2)
         assert dense.metrics["bytes_down"] == sparse.metrics["bytes_down"] == \
             quantized.metrics["bytes_down"]
     assert runs["qsgd"]["bytes_up"] < 0.55 * runs["dense"]["bytes_up"]
+
+
+def words(metrics: dict[str, float], dim: int, bits: int, n: int = 8) -> int:
+    """A dense secure client's words: the coordinates, the weight and the stat words, at
+    the round's clip range."""
+    r = metrics["secagg_clip_range"]
+    return dim + 1 + StatWords(dim, max_level(r, max_scale(n, bits, r, 1000.0), 1000.0),
+                               1000.0).words
 
 
 ASYNC = ["federation.clients=8", "federation.rounds=4", "train.local_epochs=1",

@@ -119,7 +119,8 @@ def test_an_error_reply_is_a_dropout_and_a_garbled_one_is_rejected():
             reply.content["secagg"]["msg"] = b"garbage"
         return reply
 
-    settings = SecAggScenarioConfig(enabled=True, neighbors="full", threshold=3)
+    settings = SecAggScenarioConfig(enabled=True, neighbors="full", threshold=3,
+                                    clip_range=1.0)
     out = run(inputs, settings, app=app)
     assert out.status == "completed", out.abort_reason
     assert out.dropouts["share_keys"] == [2] and "device went away" in out.errors[2]

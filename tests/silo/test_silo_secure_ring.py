@@ -23,6 +23,7 @@ from client.protocol.ring import CROSS_SILO_ACTION, RingRecord, RingSpec
 from privacy.dp import DPConfig
 from privacy.secagg import SecAggServer
 from privacy.secagg.messages import read_header
+from privacy.secagg.quantize import StatWords, max_level
 from privacy.secagg.stages import MsgType
 from server.config import FederationConfig
 from server.dp import dp_controller
@@ -64,7 +65,8 @@ def test_the_unmasked_ring_sum_equals_the_plain_cross_silo_round(
         run_inprocess, store, monkeypatch: pytest.MonkeyPatch) -> None:
     plain_config, config = scenario(rounds=1), scenario(rounds=1, **SECURE)
     plain: list[np.ndarray] = []
-    run_inprocess(plain_config, grid=ConcurrentGrid(silo_app(), SILOS), models=plain)
+    plain_run = run_inprocess(plain_config, grid=ConcurrentGrid(silo_app(), SILOS),
+                              models=plain)
     seen = _spy_on_the_session(monkeypatch)
     models: list[np.ndarray] = []
     summary = run_inprocess(config, grid=ConcurrentGrid(silo_app(), SILOS), models=models)
@@ -72,7 +74,8 @@ def test_the_unmasked_ring_sum_equals_the_plain_cross_silo_round(
 
     # within the fixed-point bound: each silo rounds w_i * delta_i to 1/scale
     weights = [len(ScenarioTask.from_config(config).partition(pid)[1]) for pid in range(SILOS)]
-    scale = SecAggScenarioConfig(**config["secagg"]).scale_for(SILOS, "examples")
+    settings = SecAggScenarioConfig(**config["secagg"])
+    scale = settings.scale_for(SILOS, "examples")
     bound = SILOS * 0.5 / scale / sum(weights)
     assert np.abs(plain[1] - plain[0]).max() > 1e-3  # training moved the model
     np.testing.assert_array_equal(models[0], plain[0])
@@ -83,11 +86,18 @@ def test_the_unmasked_ring_sum_equals_the_plain_cross_silo_round(
     assert seen["kinds"].count(MsgType.UNMASK_RESPONSE) == SILOS
     dim = plain[0].size
     [(senders, dtype, shape)] = seen["sums"]
-    assert len(senders) == SILOS and dtype.kind == "u" and shape == (dim + 1,)
+    # the coordinates, the weight and the stat words (values clipped, examples, loss)
+    stats = StatWords(dim, max_level(settings.start_range, scale, settings.max_weight),
+                      settings.max_weight).words
+    assert len(senders) == SILOS and dtype.kind == "u" and shape == (dim + 1 + stats,)
 
     [_, rnd] = store.rounds(summary["run_id"])
     assert rnd.status == "completed" and rnd.num_accepted == SILOS
     assert rnd.metrics["ring_count"] == SILOS and rnd.metrics["ring_total_weight"] == sum(weights)
+    # the round's loss from the ring's sum, as the plain round's mean of the silos' reports
+    [_, plain_rnd] = store.rounds(plain_run["run_id"])
+    assert rnd.metrics["train_loss"] == pytest.approx(plain_rnd.metrics["train_loss"], rel=1e-6)
+    assert rnd.metrics["secagg_clipped"] == 0
     [secure] = store.secagg_rounds(summary["run_id"])
     assert secure["status"] == "completed" and sorted(secure["survivors"]) == \
         sorted(str(s) for s in senders)
