@@ -23,7 +23,7 @@ from client.protocol.keys import MetricKey
 from privacy.secagg import max_scale
 from privacy.secagg.quantize import LOSS_RANGE, LOSS_STEP, StatWords, error_bound, max_level
 from server.app import make_server_app
-from server.reporter import LogReporter
+from server.reporter import LogReporter, round_line
 from server.secagg_config import AUTO_START_RANGE, SecAggScenarioConfig
 from server.secure_range import GROW, MARGIN, SHRINK
 from server.secure_round import SecureSettings, secure_round
@@ -31,6 +31,7 @@ from server.store import Store
 from simulations.apps import build_task, client_app, config_from_run_config
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
+from simulations.report import report_columns, round_table
 
 BN_TASK = str(Path(__file__).with_name("bn_cnn_task.py"))
 SECURE = "secagg.enabled=true"
@@ -51,11 +52,16 @@ class RecordingGrid(InProcessGrid):
 
 
 class Messages(LogReporter):
-    """The log reporter, keeping the run's messages."""
+    """The log reporter, keeping the run's messages and round lines."""
 
     def __init__(self) -> None:
         super().__init__()
         self.texts: list[str] = []
+        self.lines: list[str] = []
+
+    def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
+        self.lines.append(round_line(rnd, None, metrics))
+        super().round_finished(rnd, metrics)
 
     def message(self, text: str) -> None:
         self.texts.append(text)
@@ -63,8 +69,10 @@ class Messages(LogReporter):
 
 
 def run(config: dict[str, Any], db: str, *, grid: InProcessGrid | None = None,
-        reporter: LogReporter | None = None) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    """A real run on the in-process engine: its summary and each round's metrics."""
+        reporter: LogReporter | None = None,
+        table: list[str] | None = None) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """A real run on the in-process engine: its summary and each round's metrics
+    (``table``: gets the columns ``fedring report`` shows)."""
     result: dict[str, Any] = {}
     app = make_server_app(build_task, config_from_run_config, config=config, store_url=db,
                           on_summary=result.update, reporter=reporter)
@@ -73,6 +81,8 @@ def run(config: dict[str, Any], db: str, *, grid: InProcessGrid | None = None,
     store = Store(db)
     try:
         rounds = [dict(r.metrics) for r in store.rounds(result["run_id"])[1:]]
+        if table is not None:
+            table += report_columns(round_table(store.rounds(result["run_id"])), wide=False)
     finally:
         store.close()
     return result, rounds
@@ -207,15 +217,18 @@ def test_the_clipped_count_is_what_the_clients_clipped_and_warns_once(tmp_path, 
     reporter = Messages()
     config = load_scenario("default", [f"task.module={BN_TASK}",
                                        *fast(SECURE, "secagg.clip_range=1", clients=4)])
+    columns: list[str] = []
     with caplog.at_level(logging.WARNING, logger="server.secure_range"):
         _, rounds = run(config, f"sqlite:///{tmp_path / 'r.db'}",
-                        grid=InProcessGrid(spy.app, 4), reporter=reporter)
+                        grid=InProcessGrid(spy.app, 4), reporter=reporter, table=columns)
     dim = spy.deltas[0][1].size
     for rnd, metrics in enumerate(rounds, start=1):
         counted = spy.clipped(rnd)
         assert counted > 0 and metrics["secagg_clipped"] == counted
         assert metrics["secagg_clipped_fraction"] == pytest.approx(counted / (4 * dim))
         assert metrics["secagg_clip_range"] == 1.0
+        assert f"{counted} values clipped" in reporter.lines[rnd - 1]
+    assert "secagg_clipped" in columns  # fedring report's table, without --wide
     warnings = [r for r in caplog.records
                 if r.levelno == logging.WARNING and r.name == "server.secure_range"]
     assert len(warnings) == 1 and "secagg.clip_range" in warnings[0].getMessage()
