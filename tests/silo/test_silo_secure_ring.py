@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message, MetricRecord
 from silo_helpers import SILOS, join_then_die, scenario
 
 from client.protocol.ring import CROSS_SILO_ACTION, RingRecord, RingSpec
@@ -61,6 +61,19 @@ def _spy_on_the_session(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     return seen
 
 
+class RecordingGrid(ConcurrentGrid):
+    """The silos' engine, keeping every reply the server pulls."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.replies: list[Message] = []
+
+    def pull_messages(self, message_ids):  # type: ignore[override]
+        for reply in super().pull_messages(message_ids):
+            self.replies.append(reply)
+            yield reply
+
+
 def test_the_unmasked_ring_sum_equals_the_plain_cross_silo_round(
         run_inprocess, store, monkeypatch: pytest.MonkeyPatch) -> None:
     plain_config, config = scenario(rounds=1), scenario(rounds=1, **SECURE)
@@ -69,7 +82,8 @@ def test_the_unmasked_ring_sum_equals_the_plain_cross_silo_round(
                               models=plain)
     seen = _spy_on_the_session(monkeypatch)
     models: list[np.ndarray] = []
-    summary = run_inprocess(config, grid=ConcurrentGrid(silo_app(), SILOS), models=models)
+    grid = RecordingGrid(silo_app(), SILOS)
+    summary = run_inprocess(config, grid=grid, models=models)
     assert summary["status"] == "completed" and summary["versions"] == 1
 
     # within the fixed-point bound: each silo rounds w_i * delta_i to 1/scale
@@ -98,6 +112,12 @@ def test_the_unmasked_ring_sum_equals_the_plain_cross_silo_round(
     [_, plain_rnd] = store.rounds(plain_run["run_id"])
     assert rnd.metrics["train_loss"] == pytest.approx(plain_rnd.metrics["train_loss"], rel=1e-6)
     assert rnd.metrics["secagg_clipped"] == 0
+    # and no silo's loss or example count reached the server in the clear
+    clear = [(name, key) for reply in grid.replies if not reply.has_error()
+             for name, record in reply.content.items()
+             if isinstance(record, MetricRecord | ConfigRecord)
+             for key in record if key in ("train_loss", "num-examples")]
+    assert len(grid.replies) >= 4 * SILOS and clear == []
     [secure] = store.secagg_rounds(summary["run_id"])
     assert secure["status"] == "completed" and sorted(secure["survivors"]) == \
         sorted(str(s) for s in senders)
