@@ -79,7 +79,10 @@ def run_one(mode: str, z: float, grid: dict[str, Any], db: str) -> dict[str, Any
     return {"mode": mode if z > 0 or mode == "secagg" else "none", "noise_multiplier": z,
             "epsilon": ledger[-1]["epsilon"] if ledger else None,
             "protects_against": ledger[-1]["protects_against"] if ledger else None,
-            # local and distributed DP: the released model's (amplified) figure
+            "relation": ledger[-1]["relation"] if ledger else None,
+            "epsilon_replace_one": ledger[-1]["epsilon_replace_one"] if ledger else None,
+            # local and distributed DP: the released model's (amplified) figure, where one
+            # is stated (secret fixed-size cohorts)
             "epsilon_model": ledger[-1]["epsilon_model"] if ledger else None,
             "delta": ledger[-1]["delta"] if ledger else None,
             "accuracy": summary["final_accuracy"], "wall_s": round(wall, 2),

@@ -20,24 +20,48 @@ class Reporter:
 
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None: ...
 
+    def privacy_figures(self, relations: dict[str, str], against: dict[str, str]) -> None:
+        """The run's privacy figures, by key: each one's neighbouring relation and whom it
+        protects against (sent once, after ``run_started``, by a DP run)."""
+
     def message(self, text: str) -> None: ...
 
     def run_finished(self, summary: dict[str, Any]) -> None: ...
 
 
-def round_line(rnd: int, rounds: int | None, metrics: dict[str, float]) -> str:
-    """One line on a finished round: accuracy, loss, the updates' fates, epsilon where DP
-    is on, and a secure round's outcome (``secure_survivors``, ``secure_aborted``)."""
+PRIVACY_FIGURES = ("epsilon", "epsilon_replace_one", "epsilon_model")
+
+
+def figure_text(key: str, value: float, relations: dict[str, str]) -> str:
+    """``epsilon 9.01 (zero-out)``: a privacy figure with its relation, when known."""
+    relation = relations.get(key)
+    return f"{key} {value:.4g}" + (f" ({relation})" if relation else "")
+
+
+def figures_line(relations: dict[str, str], against: dict[str, str]) -> str:
+    """The line that names a DP run's figures before its first round."""
+    return "privacy figures: " + "; ".join(
+        f"{key} against the {against[key]} ({relations[key]})" for key in relations)
+
+
+def round_line(rnd: int, rounds: int | None, metrics: dict[str, float],
+               relations: dict[str, str] | None = None) -> str:
+    """One line on a finished round: accuracy, loss, the updates' fates, the privacy
+    figures with their relations where DP is on, and a secure round's outcome
+    (``secure_survivors``, ``secure_aborted``)."""
     parts = [f"{key} {metrics[key]:.4f}" for key in ("accuracy", "loss") if key in metrics]
     parts.append(", ".join(f"{int(metrics.get(fate, 0))} {fate}"
                            for fate in ("accepted", "rejected", "dropped")))
-    for key in ("epsilon", "epsilon_model"):
+    for key in PRIVACY_FIGURES:
         if key in metrics:
-            parts.append(f"{key} {metrics[key]:.4g}")
+            parts.append(figure_text(key, metrics[key], relations or {}))
     if metrics.get("secure_aborted"):
         parts.append("secure round aborted")
     elif "secure_survivors" in metrics:
         parts.append(f"secure sum of {int(metrics['secure_survivors'])} survivors")
+    if metrics.get("secagg_clipped"):  # values the clients clipped, from the secure sum
+        parts.append(f"{int(metrics['secagg_clipped'])} values clipped "
+                     f"({metrics.get('secagg_clipped_fraction', 0.0):.2%} of coordinates)")
     if "dp_sgd_epsilon" in metrics:  # the largest client's, composed over its rounds
         parts.append(f"dp_sgd_epsilon {metrics['dp_sgd_epsilon']:.4g} (sample-level)")
     of = f"/{rounds}" if rounds else ""
@@ -50,8 +74,9 @@ def status_line(summary: dict[str, Any]) -> str:
             f"{summary.get('rounds')} rounds")
     if summary.get("final_accuracy") is not None:
         line += f", accuracy {summary['final_accuracy']:.4f}"
-    if summary.get("epsilon") is not None:
-        line += f", epsilon {summary['epsilon']:.4g}"
+    for key in PRIVACY_FIGURES:
+        if summary.get(key) is not None:
+            line += ", " + figure_text(key, summary[key], summary_relations(summary))
     line += f", store {summary.get('store')}"
     if summary.get("dp_sgd_epsilon") is not None:
         line += (f"; dp_sgd_epsilon {summary['dp_sgd_epsilon']:.4g} at delta "
@@ -59,9 +84,13 @@ def status_line(summary: dict[str, Any]) -> str:
                  f"over clients): protects {summary['dp_sgd_protects']} against "
                  f"{summary['dp_sgd_protects_against']}")
     return line + (f"; {summary['stop_reason']}" if summary.get("stop_reason") else "")
-    if metrics.get("secagg_clipped"):  # values the clients clipped, from the secure sum
-        parts.append(f"{int(metrics['secagg_clipped'])} values clipped "
-                     f"({metrics.get('secagg_clipped_fraction', 0.0):.2%} of coordinates)")
+
+
+def summary_relations(summary: dict[str, Any]) -> dict[str, str]:
+    """Each privacy figure's relation, as a run summary states it."""
+    out = {"epsilon": summary.get("relation"), "epsilon_replace_one": "replace-one",
+           "epsilon_model": summary.get("relation_model")}
+    return {key: value for key, value in out.items() if value}
 
 
 class LogReporter(Reporter):
@@ -70,6 +99,7 @@ class LogReporter(Reporter):
 
     def __init__(self) -> None:
         self._rounds: int | None = None
+        self._relations: dict[str, str] = {}
 
     @staticmethod
     def _print(text: str, level: int = logging.INFO) -> None:
@@ -80,8 +110,12 @@ class LogReporter(Reporter):
         self._rounds = config.get("federation", {}).get("rounds")
         self._print(f"fedring run {run_id} started")
 
+    def privacy_figures(self, relations: dict[str, str], against: dict[str, str]) -> None:
+        self._relations = dict(relations)
+        self._print(figures_line(relations, against))
+
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
-        self._print(round_line(rnd, self._rounds, metrics))
+        self._print(round_line(rnd, self._rounds, metrics, self._relations))
 
     def message(self, text: str) -> None:
         self._print(text, logging.WARNING)
@@ -112,6 +146,10 @@ class Reporters(Reporter):
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
         for r in self.reporters:
             r.round_finished(rnd, metrics)
+
+    def privacy_figures(self, relations: dict[str, str], against: dict[str, str]) -> None:
+        for r in self.reporters:
+            r.privacy_figures(relations, against)
 
     def message(self, text: str) -> None:
         for r in self.reporters:

@@ -132,6 +132,10 @@ def check_dp(config: Mapping[str, Any], dp: DPConfig, fed: FederationConfig) -> 
         raise ValueError("dp.clip='adaptive' needs the server to count the clipped updates, "
                          "which it cannot see under secure aggregation: set a numeric dp.clip "
                          "or turn secagg off")
+    if dp.mode == "local" and agg["weight_by"] != "uniform" and not secure:  # else refused
+        raise ValueError("local DP protects each client's noised update, but weighting by "
+                         "example count would build the model from counts the clients send "
+                         "in the clear, unprotected: set aggregation.weight_by = 'uniform'")
     if dp.mode in ("central", "distributed"):
         if agg["weight_by"] != "uniform":
             raise ValueError(f"{dp.mode} DP bounds each client's effect on the sum by the clip "

@@ -47,6 +47,9 @@ class RunLoop:
                                               name=ctx.config.get("name"))
                 self._record_initial(run_id)
             ctx.reporter.run_started(run_id, ctx.config)
+            if ctx.dp is not None:
+                ctx.reporter.privacy_figures({s.key: s.relation for s in ctx.dp.specs},
+                                             {s.key: s.against for s in ctx.dp.specs})
             try:
                 while state.round < ctx.fed.rounds and not self._should_stop():
                     rnd = state.round + 1
@@ -180,10 +183,14 @@ class RunLoop:
                                       noise_multiplier=spent.noise_multiplier, clip=spent.clip,
                                       sampling_rate=spent.sampling_rate,
                                       epsilon_model=spent.epsilon_model,
-                                      protects_against=spent.protects_against)
+                                      protects_against=spent.protects_against,
+                                      relation=spent.relation,
+                                      epsilon_replace_one=spent.epsilon_replace_one,
+                                      relation_model=spent.relation_model)
         metrics.update(epsilon=spent.epsilon, clip=spent.clip)
-        if spent.epsilon_model is not None:
-            metrics["epsilon_model"] = spent.epsilon_model
+        for key in ("epsilon_replace_one", "epsilon_model"):
+            if getattr(spent, key) is not None:
+                metrics[key] = getattr(spent, key)
 
     def _should_stop(self) -> bool:
         """Stop before the next round: the privacy budget, the target, the source or too
@@ -209,8 +216,9 @@ class RunLoop:
         after = dp.next_round_exceeds_budget() if dp is not None else None
         if after is None:
             return None
-        return (f"epsilon would reach {after:.4g} > dp.epsilon_budget "
-                f"{dp.config.epsilon_budget:g} (spent {dp.epsilon():.4g})")
+        return (f"{dp.budget.key} ({dp.budget.relation}) would reach {after:.4g} > "
+                f"dp.epsilon_budget {dp.config.epsilon_budget:g} (spent "
+                f"{dp.budget_epsilon():.4g})")
 
     def _target_reached(self) -> bool:
         target = self.ctx.driver_config.target_accuracy

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from server.reporter import Reporter
+from server.reporter import Reporter, figures_line
 
 REFRESH_S = 0.1  # Rich redraws a live display 10 times a second
 
@@ -26,6 +26,7 @@ class RichReporter(Reporter):
         self._rounds = self.progress.add_task("rounds", total=rounds, info="")
         self._clients = self.progress.add_task("clients", total=1, info="")
         self._shown = -math.inf  # when the clients' bar was last updated (monotonic)
+        self._relation = ""  # epsilon's neighbouring relation, shown beside it
 
     def __enter__(self) -> RichReporter:
         self.progress.start()
@@ -53,12 +54,16 @@ class RichReporter(Reporter):
         info = (f"loss {metrics.get('loss', float('nan')):.4f}  "
                 f"acc {metrics.get('accuracy', float('nan')):.4f}")
         if "epsilon" in metrics:  # privacy spent so far, after every round
-            info += f"  eps {metrics['epsilon']:.3g}"
+            info += f"  eps {metrics['epsilon']:.3g} {self._relation}".rstrip()
         if "dp_sgd_epsilon" in metrics:  # the largest client's DP-SGD figure (sample-level)
             info += f"  dp-sgd eps {metrics['dp_sgd_epsilon']:.3g}"
-        self.progress.update(self._rounds, completed=rnd, info=info)
         if metrics.get("secagg_clipped"):  # values clipped under secure aggregation
             info += f"  clipped {int(metrics['secagg_clipped'])}"
+        self.progress.update(self._rounds, completed=rnd, info=info)
+
+    def privacy_figures(self, relations: dict[str, str], against: dict[str, str]) -> None:
+        self._relation = relations.get("epsilon", "")
+        self.progress.console.print(figures_line(relations, against))
 
     def message(self, text: str) -> None:
         self.progress.console.print(f"[yellow]{text}")

@@ -6,8 +6,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from privacy.dp import DPConfig
-from server.dp import figure_relations
 from server.store import RoundInfo, RunInfo, Store
 
 SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
@@ -63,27 +61,36 @@ def run_row(run: RunInfo) -> dict[str, Any]:
             if run.finished_at else None, "stop_reason": summary.get("stop_reason")}
 
 
-def relations(config: Mapping[str, Any]) -> tuple[str, str | None]:
-    """The neighbouring relations of a stored run's ``epsilon`` and ``epsilon_model``."""
-    dp = DPConfig.from_dict(config.get("dp", {}))
-    return figure_relations(dp, config.get("federation", {}).get("sampling", "fixed"))
+def ledger_relations(entry: Mapping[str, Any]) -> dict[str, str]:
+    """Each figure of a ledger entry with the relation stored beside it (none for rows
+    recorded before relations were)."""
+    out = {"epsilon": entry.get("relation"),
+           "epsilon_replace_one": "replace-one" if entry.get("epsilon_replace_one")
+           is not None else None,
+           "epsilon_model": entry.get("relation_model")}
+    return {key: value for key, value in out.items() if value}
 
 
-def privacy_summary(ledger: list[dict[str, Any]],
-                    config: Mapping[str, Any] | None = None) -> str | None:
+def privacy_summary(ledger: list[dict[str, Any]]) -> str | None:
     """One line on what a run's privacy ledger says after its last round, naming whom each
-    epsilon protects against (and, given the run's config, its neighbouring relation);
-    None without a ledger."""
+    epsilon protects against and the neighbouring relation stored with it; None without
+    a ledger."""
     if not ledger:
         return None
     last = ledger[-1]
-    relation, model_relation = relations(config) if config is not None else (None, None)
+    relations = ledger_relations(last)
     against = last.get("protects_against") or "unrecorded adversary"
-    line = (f"{last['mode']} DP after round {last['round']}: epsilon {last['epsilon']:.4g} "
-            f"against the {against}" + (f" ({relation})" if relation else ""))
+
+    def figure(key: str) -> str:
+        relation = relations.get(key, "relation not recorded")
+        return f"{key} {last[key]:.4g} ({relation})"
+
+    line = f"{last['mode']} DP after round {last['round']}: {figure('epsilon')}"
+    if last.get("epsilon_replace_one") is not None:
+        line += f", {figure('epsilon_replace_one')}"
+    line += f" against the {against}"
     if last.get("epsilon_model") is not None:
-        line += (f", epsilon_model {last['epsilon_model']:.4g} against the released model"
-                 + (f" ({model_relation})" if model_relation else ""))
+        line += f", {figure('epsilon_model')} against the released model"
     return f"{line}; delta {last['delta']:g}, {last['accountant']}"
 
 
@@ -146,12 +153,14 @@ def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     if ledger:
         rounds_ = [e["round"] for e in ledger]
         against = ledger[-1].get("protects_against") or "unrecorded adversary"
-        relation, model_relation = relations(info.config)
-        axes[3].plot(rounds_, [e["epsilon"] for e in ledger], marker="o",
-                     label=f"epsilon: the {against} ({relation})")
-        if any(e.get("epsilon_model") is not None for e in ledger):
-            axes[3].plot(rounds_, [e.get("epsilon_model") for e in ledger], marker=".",
-                         label=f"epsilon_model: the released model ({model_relation})")
+        relations = ledger_relations(ledger[-1])
+        for key, marker, party in (("epsilon", "o", against),
+                                   ("epsilon_replace_one", "s", against),
+                                   ("epsilon_model", ".", "released model")):
+            if any(e.get(key) is not None for e in ledger):
+                relation = relations.get(key, "relation not recorded")
+                axes[3].plot(rounds_, [e.get(key) for e in ledger], marker=marker,
+                             label=f"{key}: the {party} ({relation})")
         axes[3].set(title=f"privacy spent (delta={ledger[-1]['delta']:g}, "
                           f"{ledger[-1]['mode']} DP)", xlabel="round", ylabel="epsilon")
         axes[3].legend()

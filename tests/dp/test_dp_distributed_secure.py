@@ -154,8 +154,9 @@ def test_a_round_with_dropouts_is_charged_the_noise_it_holds():
 
 def test_dropouts_that_would_break_the_budget_abort_before_any_unmasking():
     probe = distributed_controller("discrete_gaussian")
-    full = probe.accountant.epsilon_after(1, probe.plan.noise_multiplier_with(N))
-    short = probe.accountant.epsilon_after(1, probe.plan.noise_multiplier_with(N - 2))
+    budgeted = probe.accountants["epsilon_replace_one"]  # dp.budget_relation's default
+    full = budgeted.epsilon_after(1, probe.plan.noise_multiplier_with(N))
+    short = budgeted.epsilon_after(1, probe.plan.noise_multiplier_with(N - 2))
     assert short > full
     dp = distributed_controller("discrete_gaussian", budget=(full + short) / 2)
     assert dp.next_round_exceeds_budget() is None  # a full round fits
@@ -203,20 +204,24 @@ def test_distributed_run_accounts_each_round_and_stops_at_the_budget(run_inproce
     dim = build_task(base).initial_params()[0].size
     probe = dp_controller(DPConfig.from_dict(base["dp"]), FederationConfig(**base["federation"]))
     plan = probe.plan_distributed(dim=dim, bits=base["secagg"]["bits"], max_clients=5)
-    eps = [probe.accountant.epsilon_after(r, plan.effective_noise_multiplier) for r in (1, 2)]
+    # the budget caps the replace-one figure (dp.budget_relation's default)
+    budgeted = probe.accountants["epsilon_replace_one"]
+    eps = [budgeted.epsilon_after(r, plan.effective_noise_multiplier) for r in (1, 2)]
     cfg = load_scenario("default", [*SECURE, "dp.mode=distributed", "federation.rounds=2",
                                     f"dp.epsilon_budget={(eps[0] + eps[1]) / 2}"])
     summary = run_inprocess(cfg)
     assert summary["status"] == "stopped" and summary["rounds"] == 1
     assert summary["versions"] == 1 and summary["dp_mode"] == "distributed"
     assert "dp.epsilon_budget" in summary["stop_reason"]
-    assert summary["epsilon"] == pytest.approx(eps[0], rel=1e-9)
+    assert summary["epsilon_replace_one"] == pytest.approx(eps[0], rel=1e-9)
     [row] = store.privacy_ledger(summary["run_id"])
-    assert row["mode"] == "distributed" and row["epsilon"] == pytest.approx(eps[0], rel=1e-9)
+    assert row["mode"] == "distributed"
+    assert row["epsilon_replace_one"] == pytest.approx(eps[0], rel=1e-9)
     assert row["noise_multiplier"] == pytest.approx(plan.effective_noise_multiplier)
     assert [r["status"] for r in store.secagg_rounds(summary["run_id"])] == ["completed"]
     ckpt = store.load_checkpoint(summary["run_id"])
-    assert ckpt.state["dp"]["accountant"]["history"] == [[plan.effective_noise_multiplier, 1]]
+    for figure in ckpt.state["dp"]["figures"].values():
+        assert figure["history"] == [[plan.effective_noise_multiplier, 1]]
 
 
 def test_central_dp_with_secagg_clips_on_the_client_and_noises_the_sum(run_inprocess, store):

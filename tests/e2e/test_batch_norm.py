@@ -241,7 +241,8 @@ def test_dp_clips_the_whole_delta_buffers_included(run_inprocess) -> None:
     here) is its whole trained delta, running statistics included, scaled to norm
     ``dp.clip``."""
     clip = 0.5
-    config = _config("dp.mode=local", f"dp.clip={clip}", "dp.noise_multiplier=0.001", clients=2)
+    config = _config("dp.mode=local", f"dp.clip={clip}", "dp.noise_multiplier=0.001",
+                     "aggregation.weight_by=uniform", clients=2)
     task = build_task(config)
     params, layout = task.initial_params()
     recorder = Recorder()

@@ -70,13 +70,17 @@ def test_central_dp_ledger_matches_dp_accounting(run_inprocess, store):
 def test_budget_stops_before_the_round_that_would_exceed_it(run_inprocess, store):
     probe = load_scenario("default", CENTRAL)
     summary = run_inprocess(probe)
-    eps = [e["epsilon"] for e in store.privacy_ledger(summary["run_id"])]
+    # the budget caps the replace-one figure (dp.budget_relation's default)
+    ledger = store.privacy_ledger(summary["run_id"])
+    key = "epsilon" if ledger[0]["relation"] == "replace-one" else "epsilon_replace_one"
+    eps = [e[key] for e in ledger]
     budget = (eps[1] + eps[2]) / 2  # round 3 would cross it
     cfg = load_scenario("default", [*CENTRAL, f"dp.epsilon_budget={budget}"])
     stopped = run_inprocess(cfg)
     assert stopped["status"] == "stopped" and stopped["rounds"] == 2
     assert "before round 3" in stopped["stop_reason"]
-    assert stopped["epsilon"] <= budget
+    assert f"{key} (replace-one) would reach" in stopped["stop_reason"]
+    assert stopped[key] <= budget < eps[2]
     assert store.get_run(stopped["run_id"]).status == "stopped"
 
 
@@ -97,6 +101,7 @@ def test_local_dp_clients_send_noised_deltas(run_inprocess, store):
     z, clip = 1.0, 0.1
     cfg = load_scenario("default", ["federation.clients=5", "federation.rounds=1",
                                     'dp.mode="local"', f"dp.clip={clip}",
+                                    "aggregation.weight_by=uniform",
                                     f"dp.noise_multiplier={z}"])
     summary = run_inprocess(cfg)
     dim = ScenarioTask.from_config(cfg).initial_params()[1].dim

@@ -82,6 +82,7 @@ def test_fedbuff_over_a_module_task(run_inprocess, store):
 
 def test_local_dp_compression_and_a_robust_combine_over_a_module_task(run_inprocess, store):
     summary = run_inprocess(module_config("dp.mode=local", "dp.clip=5.0",
+                                          "aggregation.weight_by=uniform",
                                           "dp.noise_multiplier=0.01", "compression.kind=qsgd",
                                           "aggregation.combine=median"))
     assert summary["status"] == "completed" and summary["versions"] == 3

@@ -45,7 +45,9 @@ def test_epsilon_and_the_secure_outcome_are_on_the_round_lines(tmp_path, capsys)
                       capsys)
     rounds = [line for line in lines if line.startswith("round ")]
     assert len(rounds) == 2
-    assert all(re.search(r", epsilon \d[\d.]*, secure sum of 4 survivors$", line)
+    # every client every round: add/remove-one, with the replace-one figure beside it
+    assert all(re.search(r", epsilon \d[\d.]* \(add/remove-one\), epsilon_replace_one "
+                         r"\d[\d.]* \(replace-one\), secure sum of 4 survivors$", line)
                for line in rounds), rounds
 
 
