@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server.reporter import Reporter
+from server.reporter import Reporter, figures_line
 
 log = logging.getLogger("fedring")
 EXTRA = "pip install 'fedring[tracking]'"
@@ -86,6 +86,11 @@ class TensorBoardSink:
         self.writer.add_text("config", "\n".join(f"    {line}" for line in text.splitlines()))
         self.writer.flush()
 
+    def figures(self, relations: Mapping[str, str], against: Mapping[str, str]) -> None:
+        """Each privacy figure's party and relation, as the text ``privacy_figures``."""
+        self.writer.add_text("privacy_figures", figures_line(dict(relations), dict(against)))
+        self.writer.flush()
+
     def round(self, rnd: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=rnd)
@@ -146,6 +151,13 @@ class MlflowSink:
                 raise
             return found.experiment_id
 
+    def figures(self, relations: Mapping[str, str], against: Mapping[str, str]) -> None:
+        """Each privacy figure's relation and party as tags, e.g.
+        ``fedring.relation.epsilon = zero-out``, ``fedring.against.epsilon = server``."""
+        for key, relation in relations.items():
+            self.client.set_tag(self.run_id, f"fedring.relation.{key}", relation)
+            self.client.set_tag(self.run_id, f"fedring.against.{key}", against[key])
+
     def round(self, rnd: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
@@ -200,6 +212,9 @@ class TrackingReporter(Reporter):
 
     def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
         self._calls.put(("round", (rnd, scalars(metrics))))
+
+    def privacy_figures(self, relations: dict[str, str], against: dict[str, str]) -> None:
+        self._calls.put(("figures", (dict(relations), dict(against))))
 
     def run_finished(self, summary: dict[str, Any]) -> None:
         if self._worker is None:  # already finished

@@ -60,6 +60,10 @@ def test_tensorboard_events_read_back_equal_the_store(tmp_path, db_url, store):
             assert logged[rnd] == pytest.approx(value, rel=1e-6), (figure, rnd)
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert json.loads(textwrap.dedent(text)) == json.loads(json.dumps(config))
+    figures = events.Tensors("privacy_figures/text_summary")[0]
+    line = figures.tensor_proto.string_val[0].decode()
+    relation = store.privacy_ledger(summary["run_id"])[-1]["relation"]
+    assert f"epsilon against the released model ({relation})" in line
 
 
 @pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
@@ -91,6 +95,11 @@ def test_mlflow_run_read_back_from_a_file_store(tmp_path, db_url, store, monkeyp
         assert {m.step: m.value for m in history} == by_round, figure
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
     assert artifacts == [f"{summary['run_id']}.png"]
+    ledger = store.privacy_ledger(summary["run_id"])[-1]  # the relations travel as tags
+    assert run.data.tags["fedring.relation.epsilon"] == ledger["relation"]
+    assert run.data.tags["fedring.against.epsilon"] == ledger["protects_against"]
+    assert ("fedring.relation.epsilon_replace_one" in run.data.tags) == (
+        ledger["epsilon_replace_one"] is not None)
 
 
 def test_a_failing_sink_is_logged_once_and_the_run_goes_on(tmp_path, db_url, store,
