@@ -85,7 +85,7 @@ def _count_cpu(method: Any) -> Any:
     return timed
 
 
-for _name in ("apply", "observe_norms", "summary"):  # the audit's whole work in a run
+for _name in ("apply", "observe_round", "summary"):  # the audit's whole work in a run
     setattr(CanaryAudit, _name, _count_cpu(getattr(CanaryAudit, _name)))
 
 
@@ -108,6 +108,9 @@ def run_one(mode: str, seed: int, canaries: int, grid: dict[str, Any],
             "epsilon": summary.get("epsilon"), "epsilon_model": summary.get("epsilon_model"),
             "protects_against": summary.get("protects_against"),
             "epsilon_audit": summary.get("epsilon_audit"),
+            "epsilon_audit_lower": summary.get("epsilon_audit_lower"),
+            "epsilon_audit_reference": summary.get("epsilon_audit_reference"),
+            "audit_flag": summary.get("audit_flag"),
             "audit_mu": summary.get("audit_mu"), "accuracy": summary["final_accuracy"],
             "wall_s": round(wall, 2), "round_s": round(median(r.wall_s for r in rounds), 4),
             "cpu_s": round(cpu, 3), "audit_cpu_s": round(AUDIT_CPU[0], 4)}
@@ -118,10 +121,13 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         audits = [r["epsilon_audit"] for r in rows if r["mode"] == mode]
+        lowers = [r["epsilon_audit_lower"] for r in rows if r["mode"] == mode]
         first = next(r for r in rows if r["mode"] == mode)
         out.append({"mode": mode,
                     **{key: None if first[key] is None else round(first[key], 3)
-                       for key in ("epsilon", "epsilon_model")},
+                       for key in ("epsilon", "epsilon_model", "epsilon_audit_reference")},
+                    "audit_lower_max": round(max(lowers), 3),
+                    "flagged": sum(bool(r["audit_flag"]) for r in rows if r["mode"] == mode),
                     "protects_against": first["protects_against"],
                     "audit_mean": round(mean(audits), 3), "audit_std": round(pstdev(audits), 3),
                     "audit_min": round(min(audits), 3), "audit_max": round(max(audits), 3),

@@ -375,6 +375,9 @@ def test_privacy_audit_quick() -> None:
     assert rows["none"]["epsilon"] is None and positive(rows["none"]["audit_mean"])
     for mode in ("central", "distributed"):
         assert positive(rows[mode]["epsilon"]) and rows[mode]["audit_mean"] >= 0
+        assert positive(rows[mode]["epsilon_audit_reference"])
+        assert 0 <= rows[mode]["audit_lower_max"] <= rows[mode]["audit_max"]
+    assert rows["none"]["epsilon_audit_reference"] is None and rows["none"]["flagged"] == 0
     assert all(r["canaries"] == result["canaries"] for r in result["results"])
     training, stage = result["cost"]["training_runs"], result["cost"]["stage"]
     assert positive(training["cpu_s_without"]) and positive(training["cpu_s_with"])

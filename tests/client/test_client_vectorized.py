@@ -105,7 +105,8 @@ def test_vectorized_replies_match_sequential_ones(extra: list[str]) -> None:
 
 
 def test_local_dp_noise_still_applies_per_client() -> None:
-    extra = ["dp.mode=\"local\"", "dp.clip=0.5", "dp.noise_multiplier=1.0"]
+    extra = ["dp.mode=\"local\"", "dp.clip=0.5", "dp.noise_multiplier=1.0",
+             "aggregation.weight_by=uniform"]
     noised, hook = _round(extra, True)
     assert hook.trained == 4
     plain, _ = _round([], True)
@@ -198,7 +199,8 @@ def test_auto_trains_a_cohort_too_large_for_one_batch_back_to_back(caplog) -> No
 
 @pytest.mark.parametrize("extra", [[], ["train.optimizer=\"adam\"", "train.lr=0.01"],
                                    ["attack.fraction=0.5", "attack.kind=\"label_flip\""],
-                                   ["dp.mode=\"local\"", "dp.clip=0.5", "dp.noise_multiplier=0"]],
+                                   ["dp.mode=\"local\"", "dp.clip=0.5", "dp.noise_multiplier=0",
+                                    "aggregation.weight_by=uniform"]],
                          ids=["momentum", "adam", "label-flip", "local-dp-clip"])
 def test_back_to_back_replies_are_the_client_apps_own_to_the_bit(extra: list[str]) -> None:
     one_by_one, _ = _round(extra, None)
