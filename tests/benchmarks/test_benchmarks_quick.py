@@ -367,6 +367,19 @@ def test_cross_silo_secure_quick() -> None:
 
 
 @pytest.mark.slow
+def test_secure_fidelity_quick() -> None:
+    result = run_quick("secure_fidelity.py")
+    assert result["benchmark"] == "secure_fidelity" and result["quick"] is True
+    rows = {row["variant"]: row for row in result["results"]}
+    assert set(rows) == {"plain", "secure, auto range", "secure, range 1"}
+    assert rows["plain"]["clipped"] is None and rows["secure, auto range"]["clipped"] == 0
+    for variant in ("secure, auto range", "secure, range 1"):
+        gap = abs(rows[variant]["accuracy"] - rows["plain"]["accuracy"])
+        assert result["largest_gap_to_plain"][f"default / {variant}"] == pytest.approx(
+            gap, abs=1e-4)
+    assert all(row["status"] == "completed" for row in result["results"])
+
+
 def test_privacy_audit_quick() -> None:
     result = run_quick("privacy_audit.py")
     assert result["benchmark"] == "privacy_audit" and result["quick"] is True
