@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MARGIN = 16.0  # the next range over the previous aggregate's largest coordinate
+MARGIN = 64.0  # the next range over the previous aggregate's largest coordinate
 SHRINK = 0.5  # the next range is at least this share of the one before
 GROW = 2.0  # after a round that clipped, the next range is at least this times larger
 QSGD_START_RANGE = 1.0  # secure QSGD's first range: 2^compression.bits levels span it

@@ -22,10 +22,11 @@ import client.secure_client as secure_client
 from client.protocol.keys import MetricKey
 from privacy.secagg import max_scale
 from privacy.secagg.quantize import LOSS_RANGE, LOSS_STEP, StatWords, error_bound, max_level
+from server import secure_range
 from server.app import make_server_app
 from server.reporter import LogReporter, round_line
 from server.secagg_config import AUTO_START_RANGE, SecAggScenarioConfig
-from server.secure_range import GROW, MARGIN, SHRINK
+from server.secure_range import GROW, SHRINK
 from server.secure_round import SecureSettings, secure_round
 from server.store import Store
 from simulations.apps import build_task, client_app, config_from_run_config
@@ -235,13 +236,15 @@ def test_the_clipped_count_is_what_the_clients_clipped_and_warns_once(tmp_path, 
     assert len([t for t in reporter.texts if "secagg.clip_range" in t]) == 1
 
 
-def test_the_auto_range_grows_with_the_updates_and_the_sum_still_decodes_exactly():
+def test_the_auto_range_grows_with_the_updates_and_the_sum_still_decodes_exactly(monkeypatch):
+    margin = 16.0  # the mechanism's arithmetic, whatever the margin's value
+    monkeypatch.setattr(secure_range, "MARGIN", margin)
     n, dim, cap = 5, 40, 100.0
     cfg = SecAggScenarioConfig(enabled=True, neighbors="full", max_weight=cap)
     secure = SecureSettings(cfg, combine="mean", weight_by="examples", max_clients=n)
     arrays, config = empty_model()
     ranges, scales = [], []
-    # round 1's mean is 400 everywhere (range MARGIN * 400 next); round 2's deltas of 1500
+    # round 1's mean is 400 everywhere (range margin * 400 next); round 2's deltas of 1500
     # would be clipped at round 1's range; round 3's of 20000 are clipped at round 2's, and
     # their signs (weights 10 to 50) leave a mean of a fifteenth of the range
     for rnd, size, signs in ((1, 400.0, "+++++"), (2, 1500.0, "-+-+-"), (3, 20000.0, "++--+")):
@@ -263,12 +266,12 @@ def test_the_auto_range_grows_with_the_updates_and_the_sum_still_decodes_exactly
         ranges.append(r)
         scales.append(out.scale)
     assert ranges[0] == AUTO_START_RANGE
-    assert ranges[1] == pytest.approx(MARGIN * 400.0) and ranges[1] > ranges[0]
+    assert ranges[1] == pytest.approx(margin * 400.0) and ranges[1] > ranges[0]
     assert scales[1] < scales[0]
     # round 2's mean: 1500 * (-10 + 20 - 30 + 40 - 50) / 150 = -300
-    assert ranges[2] == pytest.approx(max(MARGIN * 300.0, SHRINK * ranges[1]))
-    # round 3 clipped: the range grows although MARGIN / 15 of it would do for its mean
-    assert MARGIN / 15 < GROW
+    assert ranges[2] == pytest.approx(max(margin * 300.0, SHRINK * ranges[1]))
+    # round 3 clipped: the range grows although margin / 15 of it would do for its mean
+    assert margin / 15 < GROW
     assert secure.round_settings(None).clip_range == pytest.approx(GROW * ranges[2])
 
 
