@@ -100,13 +100,20 @@ class StalenessConfig:
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """Clients, rounds and how many take part in each round."""
+    """Clients, rounds and how many take part in each round.
+
+    ``evaluate_fraction`` > 0: every ``evaluate_every`` rounds (and after the last) that
+    share of the clients evaluates the model on its own held-out split (federated
+    evaluation); ``secure_evaluation``: under secure aggregation, only their totals travel,
+    through the secure sum."""
 
     clients: int = 20
     rounds: int = 10
     sample_fraction: float = 1.0
     min_clients: int = 2
     evaluate_fraction: float = 0.0
+    evaluate_every: int = 1
+    secure_evaluation: bool = False
     round_timeout_s: float = 600.0
     wait_for_nodes_s: float = 60.0
     poll_s: float = 0.05
@@ -126,7 +133,13 @@ class FederationConfig:
             raise ValueError(f"federation.min_clients must be between 1 and federation.clients "
                              f"({self.clients}), got {self.min_clients}")
         if not 0 <= self.evaluate_fraction <= 1:
-            raise ValueError("federation.evaluate_fraction must be in [0, 1]")
+            raise ValueError(f"federation.evaluate_fraction must be in [0, 1] (the share "
+                             f"of clients asked to evaluate; 0: no federated evaluation), "
+                             f"got {self.evaluate_fraction}")
+        if self.evaluate_every < 1:
+            raise ValueError(f"federation.evaluate_every must be >= 1 (federated evaluation "
+                             f"every that many rounds, and after the last), got "
+                             f"{self.evaluate_every}")
         if self.round_timeout_s <= 0 or self.wait_for_nodes_s < 0 or self.poll_s <= 0:
             raise ValueError("federation.round_timeout_s and poll_s must be > 0")
         if self.checkpoint_every < 0:

@@ -19,6 +19,11 @@ FEDASYNC_SECAGG = ("driver.kind 'fedasync' applies each update on its own, and a
                    "updates) or 'sync'")
 
 
+# driver.target_on -> the round metric driver.target_accuracy is compared with
+TARGET_METRICS = {"central": "accuracy", "federated": "federated_accuracy",
+                  "personal": "federated_accuracy_personal"}
+
+
 @dataclass(frozen=True)
 class DriverConfig:
     """How rounds run: the driver kind, buffer, concurrency, staleness and deadline.
@@ -28,7 +33,8 @@ class DriverConfig:
     federation's clients per round. ``deadline_s`` 0 means no deadline (wait up to
     ``federation.round_timeout_s``); late sync updates are dropped or carried into the
     next aggregate (``late_policy``). ``max_staleness`` -1 means no bound;
-    ``target_accuracy`` 0 means train for all ``federation.rounds``. For the async
+    ``target_accuracy`` 0 means train for all ``federation.rounds``; ``target_on`` says
+    which accuracy it means (:data:`TARGET_METRICS`). For the async
     drivers ``federation.rounds`` counts applied aggregates (model versions) and
     ``deadline_s`` bounds each client's task; ``alpha`` is FedAsync's mixing weight and
     ``buffer_size`` FedBuff's K.
@@ -45,6 +51,7 @@ class DriverConfig:
     deadline_s: float = 0.0
     late_policy: str = "drop"
     target_accuracy: float = 0.0
+    target_on: str = "central"
 
     def __post_init__(self) -> None:
         check_choice("driver.kind", self.kind, DRIVER_KINDS)
@@ -63,6 +70,13 @@ class DriverConfig:
         if not 0 <= self.target_accuracy <= 1:
             raise ValueError(f"driver.target_accuracy must be in [0, 1] (0: none), got "
                              f"{self.target_accuracy}")
+        check_choice("driver.target_on", self.target_on, tuple(TARGET_METRICS))
+
+    def target_metric(self) -> str:
+        """The round metric ``target_accuracy`` is compared with: the central accuracy,
+        the clients' example-weighted federated accuracy of the global model, or of their
+        own models (``target_on`` central, federated, personal)."""
+        return TARGET_METRICS[self.target_on]
 
     @property
     def is_async(self) -> bool:

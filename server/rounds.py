@@ -28,7 +28,7 @@ from server.dp_sgd import DPSGDLedger
 from server.driver_config import DriverConfig
 from server.reporter import Reporter
 from server.scenario import ServerScenario
-from server.store import Store, UpdateRecord
+from server.store import EvalRecord, Store, UpdateRecord
 from server.task import ServerTask
 from server.wire_bytes import ByteCountingGrid
 
@@ -136,6 +136,9 @@ class RoundResult:
     noise_multiplier: float | None = None
     secure: SecureRoundOutcome | None = None
     note: str | None = None  # why the model is unchanged, for the user
+    # the clients' own evaluations, where the round source made them (gossip: each silo's
+    # model on its held-out split); else the run loop's federated evaluation, when due
+    evaluations: list[EvalRecord] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """Updates by fate: accepted, rejected, dropped."""

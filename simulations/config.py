@@ -50,6 +50,8 @@ class DataConfig:
     shards_per_client: int = 2
     min_size: int = 1
     test_fraction: float = 0.2
+    client_test_fraction: float = 0.2
+    feature_shift: float = 0.0
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,14 +59,30 @@ class DataConfig:
         check_choice("data.partitioner", self.partitioner, partitioner_names())
         if not 0 < self.test_fraction < 1:
             raise ValueError(f"data.test_fraction must be in (0, 1), got {self.test_fraction}")
+        if not 0 <= self.client_test_fraction < 1:
+            raise ValueError(f"data.client_test_fraction must be in [0, 1) (the share of each "
+                             f"client's partition it holds out to evaluate on, never trained "
+                             f"on; 0: none), got {self.client_test_fraction}")
+        if not self.feature_shift >= 0:
+            raise ValueError(f"data.feature_shift must be >= 0 (the strength of each "
+                             f"client's own affine distortion of its inputs; 0: none), got "
+                             f"{self.feature_shift}")
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     """``[task]``: the user's own model and data, a module giving ``build_model`` and
-    ``load_partition`` (``simulations.module_task``); empty: ``[data]`` and ``[model]``."""
+    ``load_partition`` (``simulations.module_task``); empty: ``[data]`` and ``[model]``.
+    ``client_test_fraction``: the share of each partition held out for federated
+    evaluation when the module gives no ``load_client_test`` (0: none)."""
 
     module: str = ""
+    client_test_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.client_test_fraction < 1:
+            raise ValueError(f"task.client_test_fraction must be in [0, 1), got "
+                             f"{self.client_test_fraction}")
 
 
 SECTIONS: dict[str, type] = {

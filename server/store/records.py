@@ -39,6 +39,27 @@ class UpdateRecord:
 
 
 @dataclass(frozen=True)
+class EvalRecord:
+    """One client's answer in a federated evaluation round: its figures for the global
+    model on its held-out split (and for its own model, where that differs), or why there
+    are none (rejected with a reason, or dropped)."""
+
+    client_id: str
+    fate: str  # "accepted" | "rejected" | "dropped"
+    reason: str | None = None
+    num_examples: int | None = None
+    loss: float | None = None
+    accuracy: float | None = None
+    loss_personal: float | None = None
+    accuracy_personal: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.fate not in FATES:
+            raise ValueError(f"evaluation fate {self.fate!r} of client {self.client_id!r}: "
+                             f"must be one of {', '.join(FATES)}")
+
+
+@dataclass(frozen=True)
 class RunInfo:
     run_id: str
     name: str | None
