@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import WHOLE_PARTITIONS_OVERRIDE
 from machine_info import load_average, machine
 
 from server.store import Store
@@ -50,7 +51,8 @@ VARIANTS: dict[str, list[str]] = {
                          "compression.fraction=0.1"],
 }
 QUICK_VARIANTS = ("none", "qsgd-4", "topk-10%", "secagg", "secagg+qsgd-8", "secagg+randk-10%")
-FULL = ["federation.checkpoint_every=0"]  # the default scenario otherwise
+# the default scenario otherwise
+FULL = ["federation.checkpoint_every=0", WHOLE_PARTITIONS_OVERRIDE]
 QUICK = [*FULL, "federation.clients=4", "federation.rounds=1", "train.local_epochs=1"]
 
 

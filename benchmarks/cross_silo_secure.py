@@ -27,14 +27,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import log, timed_simulation
+from harness import WHOLE_PARTITIONS, log, timed_simulation
 from machine_info import load_average, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SILOS = 3
-WORKLOAD = {"federation.clients": SILOS, "federation.min_clients": SILOS,
+WORKLOAD = {**WHOLE_PARTITIONS,
+            "federation.clients": SILOS, "federation.min_clients": SILOS,
             "train.local_epochs": 1, "federation.checkpoint_every": 0,
             "driver.kind": "cross_silo"}
 MODELS = {"mlp_4.8k": {"model.hidden": [64]}, "mlp_1.06m": {"model.hidden": [1024, 960]}}

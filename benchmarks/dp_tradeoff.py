@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.clientapp import ClientApp
-from harness import timed_simulation
+from harness import WHOLE_PARTITIONS_OVERRIDE, timed_simulation
 from machine_info import load_average, machine
 
 from client.protocol.keys import ConfigKey, MetricKey
@@ -45,7 +45,8 @@ FULL = {"clients": 700, "rounds": 20, "noise": [0.5, 1.0, 2.0], "sample_fraction
 # Quick: every client in every round, so that each secure round has enough participants.
 QUICK = {"clients": 5, "rounds": 1, "noise": [0.5], "sample_fraction": 1.0,
          "overhead_z": 0.5, "encode_dims": [], "round_repeats": 1}
-BASE = ["train.local_epochs=2", "train.batch_size=16", "train.lr=0.1", "train.momentum=0.0",
+BASE = [WHOLE_PARTITIONS_OVERRIDE, "train.local_epochs=2", "train.batch_size=16", "train.lr=0.1",
+        "train.momentum=0.0",
         "data.partitioner=iid", "aggregation.weight_by=uniform", "dp.delta=1e-5",
         "federation.sampling=poisson", "federation.checkpoint_every=0"]
 SECURE = ["secagg.enabled=true"]  # secagg defaults: 32 bits, auto k, no dropouts

@@ -45,11 +45,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import log
+from harness import WHOLE_PARTITIONS, log
 
 RUNNER = Path(__file__).resolve().parent / "pfl_runner.py"
 PFL_SIZES = {"10k": [128], "1m": [960, 960]}  # 9,610 and 994,570 parameters on digits
-WORKLOAD = {"data.partitioner": "iid", "train.local_epochs": 1, "train.batch_size": 32,
+WORKLOAD = {**WHOLE_PARTITIONS,
+            "data.partitioner": "iid", "train.local_epochs": 1, "train.batch_size": 32,
             "train.lr": 0.05, "train.optimizer": "sgd", "train.momentum": 0.0}
 TARGET_RATIO = {"10k": 1.5, "1m": 1.15}  # fedring / bare, at most
 TARGET_VECTORIZED_10K = 1.0  # fedring vectorized / bare at 10k parameters, below

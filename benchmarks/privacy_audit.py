@@ -32,7 +32,7 @@ from statistics import mean, median, pstdev
 from typing import Any
 
 import numpy as np
-from harness import log, timed_simulation
+from harness import WHOLE_PARTITIONS_OVERRIDE, log, timed_simulation
 from machine_info import load_average, machine
 
 import server.dp
@@ -91,7 +91,7 @@ for _name in ("apply", "observe_round", "summary"):  # the audit's whole work in
 
 def run_one(mode: str, seed: int, canaries: int, grid: dict[str, Any],
             db: str) -> dict[str, Any]:
-    config = load_scenario("default", [*grid["overrides"], *MODES[mode],
+    config = load_scenario("default", [WHOLE_PARTITIONS_OVERRIDE, *grid["overrides"], *MODES[mode],
                                        f"audit.canaries={canaries}"], values={"seed": seed})
     honest = halved_noise() if "halved" in mode else None
     AUDIT_CPU[0] = 0.0

@@ -58,14 +58,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import log, seeds_args, timed_simulation
+from harness import WHOLE_PARTITIONS, log, seeds_args, timed_simulation
 from machine_info import load_average, machine, shown_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CLIENTS, FRACTION = 20, 0.2
-WORKLOAD = {"federation.clients": CLIENTS, "federation.rounds": 10,
+WORKLOAD = {**WHOLE_PARTITIONS,
+            "federation.clients": CLIENTS, "federation.rounds": 10,
             "federation.sample_fraction": 1.0, "train.local_epochs": 2,
             "federation.checkpoint_every": 0}
 QUICK_WORKLOAD = {**WORKLOAD, "federation.rounds": 2, "train.local_epochs": 1}

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, log, timed_simulation
+from harness import ROOT, WHOLE_PARTITIONS_OVERRIDE, log, timed_simulation
 from machine_info import load_average, machine
 
 from server.store import Store
@@ -37,7 +37,7 @@ VARIANTS = {"plain": [], "secure, auto range": ["secagg.enabled=true"],
 
 def run_one(scenario: str, variant: str, seed: int, extra: list[str],
             db: str) -> dict[str, Any]:
-    overrides = [*SCENARIOS[scenario], *VARIANTS[variant], *extra]
+    overrides = [WHOLE_PARTITIONS_OVERRIDE, *SCENARIOS[scenario], *VARIANTS[variant], *extra]
     config = load_scenario("default", overrides, values={"seed": seed})
     summary, wall = timed_simulation(config, db)
     with Store(db) as store:

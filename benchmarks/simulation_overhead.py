@@ -75,7 +75,7 @@ import tempfile
 import time
 from typing import Any
 
-from harness import log
+from harness import WHOLE_PARTITIONS, log
 from machine_info import load_average, machine
 from pfl_workload import compare as pfl_compare
 from pfl_workload import pfl_targets
@@ -85,7 +85,8 @@ SMALL, LARGE = [128], [1024, 1024]  # 9,610 and 1,126,410 parameters on digits
 HIDDEN = {"10k": SMALL, "1m": LARGE}
 FULL_SIZES = [(10, SMALL), (100, SMALL), (10, LARGE), (100, LARGE)]
 QUICK_SIZES = [(4, SMALL)]
-WORKLOAD = {"data.partitioner": "iid", "train.local_epochs": 1, "train.batch_size": 32,
+WORKLOAD = {**WHOLE_PARTITIONS,
+            "data.partitioner": "iid", "train.local_epochs": 1, "train.batch_size": 32,
             "train.lr": 0.05, "train.optimizer": "sgd", "train.momentum": 0.0}
 TARGET_PER_CLIENT_MS = 2.0
 TARGET_FLOWER_RATIO = 3.0

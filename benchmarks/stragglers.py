@@ -37,13 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import log, seeds_args, timed_simulation
+from harness import WHOLE_PARTITIONS, log, seeds_args, timed_simulation
 from machine_info import load_average, machine, shown_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WORKLOAD = {"federation.clients": 20, "federation.sample_fraction": 1.0,
+WORKLOAD = {**WHOLE_PARTITIONS,
+            "federation.clients": 20, "federation.sample_fraction": 1.0,
             "train.local_epochs": 1, "federation.checkpoint_every": 0,
             "clients.compute_s": 1.0, "clients.speed_sigma": 0.25,
             "clients.straggler_fraction": 0.2, "clients.straggler_slowdown": 10.0}
