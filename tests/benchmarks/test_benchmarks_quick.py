@@ -420,3 +420,38 @@ def test_gossip_quick() -> None:
     for reached in result["reached"].values():
         assert (reached["round"] is None) == (reached["bytes"] is None)
     assert positive(result["exchange_s"])
+
+
+@pytest.mark.slow
+def test_federated_eval_quick() -> None:
+    result = run_quick("federated_eval.py")
+    assert result["benchmark"] == "federated_eval" and result["quick"] is True
+    assert result["plot"] is None and result["seeds"] == [0]
+    shift = result["shift"]
+    runs = {row["variant"]: row for row in shift["runs"]}
+    assert set(runs) == {"fedavg", "fedbn"} and shift["strength"] > 0
+    assert all(row["status"] == "completed" and row["federated_clients"] == 5
+               for row in runs.values())
+    assert runs["fedavg"]["federated_accuracy_personal"] is None  # no model of its own
+    [gap] = shift["gaps"]
+    assert gap["gap"] == pytest.approx(
+        runs["fedbn"]["federated_accuracy_personal"] - runs["fedavg"]["federated_accuracy"],
+        abs=1e-4)
+    # FedBN's personal figure is each client's own batch norm: well above its global model's
+    assert gap["fedbn_personal"] > gap["fedbn_global_federated"] + 0.05
+    assert 0 < gap["fedavg_own_statistics"] <= 1 and gap["gap"] > 0
+    assert shift["target"]["smallest_gap"] == gap["gap"]
+    default = result["default"]
+    [row] = default["results"]
+    assert row["federated_clients"] == 5
+    assert 0 <= row["federated_min"] <= row["federated_p10"] <= row["federated"] <= 1
+    assert row["difference"] == pytest.approx(row["federated"] - row["central"], abs=1e-4)
+    ratios = [r["eval_s"] / (r["wall_s"] - r["eval_s"]) for r in row["round_s"]]
+    assert len(ratios) == 2 and all(positive(r) for r in ratios)
+    assert row["eval_over_train"] == pytest.approx(ratios, rel=1e-3, abs=1e-4)
+    cost = default["targets"]["cost"]
+    assert cost["eval_over_train_median"] == pytest.approx(sorted(ratios)[0] / 2
+                                                           + sorted(ratios)[1] / 2, abs=1e-4)
+    assert cost["met"] is (cost["eval_over_train_median"] < 0.1)
+    fidelity = default["targets"]["fidelity"]
+    assert fidelity["largest_difference"] == abs(row["difference"])
