@@ -34,9 +34,27 @@ def sample_nodes(node_ids: Iterable[int], fed: FederationConfig,
     if fed.sampling == "poisson":
         return [n for n, pick in zip(available, rng.random(len(available)) < fed.sample_fraction,
                                      strict=True) if pick]
-    k = fed.clients_per_round(len(available))
+    return draw_fixed(available, fed.clients_per_round(len(available)), rng)
+
+
+def draw_fixed(node_ids: Iterable[int], k: int, rng: np.random.Generator) -> list[int]:
+    """A uniform draw of ``k`` of ``node_ids`` without replacement, sorted."""
+    available = sorted(node_ids)
     # Sample positions, not ids: Flower's node ids are uint64 and numpy would round them.
     return sorted(available[int(i)] for i in rng.choice(len(available), size=k, replace=False))
+
+
+def evaluation_cohort(node_ids: Iterable[int], *, fraction: float, seed: int, rnd: int,
+                      dp: DPController | None) -> list[int]:
+    """Round ``rnd``'s federated evaluation cohort: ``max(1, round(fraction * n))`` of the
+    ``n`` nodes, drawn in secret under DP like training cohorts, else from the seed (a
+    stream of its own, so it does not repeat the training cohort's draw)."""
+    available = sorted(node_ids)
+    if not available:
+        return []
+    k = min(len(available), max(1, round(fraction * len(available))))
+    secret = dp is not None and dp.secret_cohorts
+    return draw_fixed(available, k, cohort_rng(seed, rnd, secret=secret, stream=3))
 
 
 def draw_cohort(eligible: list[int], *, fed: FederationConfig, concurrency: int, seed: int,

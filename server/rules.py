@@ -45,6 +45,7 @@ def check_rules(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None = N
     check_secagg(config)
     check_audit(config)
     check_dp_sgd(config)
+    check_evaluation(config, fed)
 
 
 def check_compression(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None) -> None:
@@ -424,3 +425,37 @@ def check_dp_sgd(config: Mapping[str, Any]) -> None:
                          "sees no client's DP-SGD epsilon, so it cannot stop the run at the "
                          "budget; remove train.dp_sgd_epsilon_budget or set secagg.enabled = "
                          "false")
+
+
+def check_evaluation(config: Mapping[str, Any], fed: FederationConfig) -> None:
+    """Federated evaluation needs a held-out split on the clients, a figure for the target
+    to be compared with and, made secure, secure aggregation."""
+    task = dict(config.get("task") or {})
+    data = dict(config.get("data") or {})
+    driver = DriverConfig(**dict(config.get("driver") or {}))
+    local_buffers = bool(dict(config.get("aggregation") or {}).get("local_buffers", False))
+    secure = bool(dict(config.get("secagg") or {}).get("enabled", False))
+    if fed.evaluate_fraction > 0 and not task.get("module") \
+            and not data.get("client_test_fraction", 0):
+        raise ValueError("federation.evaluate_fraction > 0 asks clients to evaluate on their "
+                         "held-out split, but data.client_test_fraction = 0 holds none out: "
+                         "set data.client_test_fraction (e.g. 0.2) or "
+                         "federation.evaluate_fraction = 0")
+    if driver.target_on != "central" and fed.evaluate_fraction == 0:
+        raise ValueError(f"driver.target_on = '{driver.target_on}' compares the target with "
+                         "the clients' federated evaluation, which federation.evaluate_fraction "
+                         "= 0 turns off: set federation.evaluate_fraction > 0 or "
+                         "driver.target_on = 'central'")
+    if driver.target_on == "personal" and not local_buffers:
+        raise ValueError("driver.target_on = 'personal' means each client's own model, but "
+                         "without aggregation.local_buffers = true the clients use the global "
+                         "model: set aggregation.local_buffers = true or driver.target_on = "
+                         "'federated'")
+    if fed.secure_evaluation and not secure:
+        raise ValueError("federation.secure_evaluation = true sends the evaluation totals "
+                         "through the secure sum, which needs secure aggregation: set "
+                         "secagg.enabled = true or federation.secure_evaluation = false")
+    if fed.secure_evaluation and fed.evaluate_fraction == 0:
+        raise ValueError("federation.secure_evaluation = true needs a federated evaluation: "
+                         "set federation.evaluate_fraction > 0 or "
+                         "federation.secure_evaluation = false")

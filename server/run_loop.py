@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from server.federated_eval import FederatedEvaluation
 from server.rounds import RoundResult, RoundSource, RunContext
+from server.spread import ACCURACY, accuracy_key, spread
+from server.store import EvalRecord
 
 if TYPE_CHECKING:
     from server.audit import CanaryAudit
@@ -34,6 +37,8 @@ class RunLoop:
         self._failed_streak: list[str] = []  # why each of the last rounds applied nothing
         self._earlier_wall_s = 0.0  # a resumed run's rounds from before this process
         self.resumed_after: int | None = None
+        # the clients' evaluations of the global model (sources without one make their own)
+        self.federated = FederatedEvaluation(ctx) if source.central_model else None
 
     # ---- the run
 
@@ -121,12 +126,17 @@ class RunLoop:
         state.round = rnd
         metrics = ({k: float(v) for k, v in ctx.task.evaluate(state.params).items()}
                    if central else {})
+        evaluations, figures = self._federated(run_id, rnd, result)
         if ctx.clock.simulated:
             metrics["sim_time_s"] = ctx.clock.now()
         metrics.update(result.metrics)
+        metrics.update(figures)
         metrics.update(ctx.dp_sgd.observe(result.records))  # the clients' DP-SGD figures
         if "bytes_up" not in result.metrics:
             metrics.update(ctx.grid.since_last())  # bytes_up, bytes_down
+        elif "federated_eval_s" in figures:  # the source counted its traffic before this
+            for key, value in ctx.grid.since_last().items():  # the evaluation's
+                metrics[key] = metrics.get(key, 0.0) + value
         self._account_privacy(run_id, rnd, released=applied, metrics=metrics,
                               noise_multiplier=result.noise_multiplier)
         counts = result.counts()
@@ -142,7 +152,7 @@ class RunLoop:
                                num_accepted=counts["accepted"] if applied else 0,
                                num_rejected=counts["rejected"], num_dropped=counts["dropped"],
                                metrics=metrics, wall_s=time.perf_counter() - t0,
-                               updates=result.records)
+                               updates=result.records, evaluations=evaluations)
         if result.secure is not None:
             ctx.store.record_secagg_round(run_id, round=rnd, **result.secure.session_record())
         state.history.append(metrics)
@@ -161,6 +171,28 @@ class RunLoop:
         return metrics
 
     # ---- helpers
+
+    def _federated(self, run_id: str, rnd: int,
+                   result: RoundResult) -> tuple[list[EvalRecord], dict[str, float]]:
+        """Round ``rnd``'s federated evaluation: the source's own (gossip's silos), else the
+        clients' evaluation of the global model when it is due; each client's record and
+        the round's figures, with ``federated_eval_s``, the seconds it took."""
+        if result.evaluations:
+            evaluations, figures = result.evaluations, spread(result.evaluations)
+        elif self.federated is not None and self.federated.due(rnd):
+            started = time.perf_counter()
+            evaluations, figures = self.federated.evaluate(run_id, rnd)
+            figures = {**figures, "federated_eval_s": time.perf_counter() - started}
+        else:
+            return [], {}
+        if ACCURACY not in figures:
+            fates = {fate: sum(e.fate == fate for e in evaluations)
+                     for fate in ("rejected", "dropped")}
+            self.ctx.reporter.message(
+                f"round {rnd}: federated evaluation got no accepted answer ({fates['rejected']}"
+                f" rejected, {fates['dropped']} dropped); no federated figures recorded")
+        return evaluations, figures
+
 
     def _record_initial(self, run_id: str) -> None:
         """Round 0: the initial model's evaluation."""
@@ -223,7 +255,7 @@ class RunLoop:
     def _target_reached(self) -> bool:
         target = self.ctx.driver_config.target_accuracy
         last = self.ctx.state.history[-1] if self.ctx.state.history else {}
-        return target > 0 and last.get("accuracy", -1.0) >= target
+        return target > 0 and last.get(self.ctx.driver_config.target_metric(), -1.0) >= target
 
     def _summary(self, run_id: str, wall_s: float) -> dict[str, Any]:
         ctx, state = self.ctx, self.ctx.state
@@ -247,6 +279,7 @@ class RunLoop:
             flagged = self.audit.warning(summary)
             if flagged is not None:
                 ctx.reporter.message(flagged)
+        summary.update(_federated_summary(state.history))
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
         if ctx.grid.down:  # this process's traffic
@@ -257,6 +290,17 @@ class RunLoop:
         summary["reached_target"] = (self._target_reached()
                                      if ctx.driver_config.target_accuracy > 0 else None)
         return summary
+
+
+def _federated_summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """The federated figures of the last round that has them: the weighted mean, the 10th
+    percentile and the minimum, of the clients' own models too where they were measured."""
+    last = next((m for m in reversed(history) if ACCURACY in m), None)
+    if last is None:
+        return {}
+    keys = [accuracy_key(stat, personal=personal) for personal in (False, True)
+            for stat in (None, "p10", "min")]
+    return {key: last[key] for key in keys if key in last}
 
 
 def _nothing_applied(counts: dict[str, int]) -> str:

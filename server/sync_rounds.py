@@ -22,6 +22,7 @@ from server.compression import ReplyCompression
 from server.exchange import push_and_collect_in_order
 from server.replies import decode_train_reply
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss, update_record
+from server.settle import settle
 from server.store import UpdateRecord
 
 if TYPE_CHECKING:
@@ -190,16 +191,7 @@ class PlainReplies(Collector):
     def _settle(self, reply: Message) -> tuple[str, int, str | None]:
         """The client a reply answers for, the model version it was sent, and why the
         reply cannot be that client's answer (None when it can)."""
-        claimed, msg_id = reply.metadata.src_node_id, reply.metadata.reply_to_message_id
-        sent = self._sent.pop(msg_id, None)
-        if sent is None:
-            return str(claimed), self.ctx.state.version, (
-                f"reply to message {msg_id!r}, which awaits no reply (a duplicate or a replay)")
-        node, version = sent
-        if claimed != node:
-            return str(node), version, (f"reply to the message sent to node {node} says it "
-                                        f"comes from node {claimed}")
-        return str(node), version, None
+        return settle(self._sent, reply, self.ctx.state.version)
 
     def _forget_settled(self) -> None:
         """Keep only the sent messages whose replies may still come (late, carried)."""

@@ -32,8 +32,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-__all__ = ["Base", "CheckpointRow", "LedgerRow", "RoundRow", "RunRow", "SecAggRoundRow",
-           "UTCDateTime", "UpdateRow"]
+__all__ = ["Base", "CheckpointRow", "EvalRow", "LedgerRow", "RoundRow", "RunRow",
+           "SecAggRoundRow", "UTCDateTime", "UpdateRow"]
 
 # Explicit constraint names keep the schema stable across back ends (and alembic happy).
 NAMING = {
@@ -133,6 +133,31 @@ class UpdateRow(Base):
     fate: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(String)
     metrics: Mapped[dict] = mapped_column(JSON)
+
+
+class EvalRow(Base):
+    """One client's answer in a federated evaluation round: its figures for the global
+    model on its held-out split (and for its own model), or why there are none."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["run_id", "round"], ["rounds.run_id", "rounds.round"], ondelete="CASCADE"
+        ),
+        Index(None, "run_id", "round"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(32))
+    round: Mapped[int] = mapped_column(Integer)
+    client_id: Mapped[str] = mapped_column(String)
+    fate: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String)
+    num_examples: Mapped[int | None] = mapped_column(BigInteger)
+    loss: Mapped[float | None] = mapped_column(Float)
+    accuracy: Mapped[float | None] = mapped_column(Float)
+    loss_personal: Mapped[float | None] = mapped_column(Float)
+    accuracy_personal: Mapped[float | None] = mapped_column(Float)
 
 
 class OneRowPerRound:

@@ -7,9 +7,10 @@ rows atomically. ``save_checkpoint_in_background`` writes a checkpoint on a writ
 runs, and its checkpoint reads, wait for that write first, so writes stay in order. Values
 are checked and coded as ``values`` describes; time stamps are aware UTC datetimes.
 
-Recording a round that is already recorded replaces it (the round row and its updates),
-and saving a checkpoint for a round that already has one replaces that checkpoint. That
-is what a resumed run does when it replays rounds after its last checkpoint.
+Recording a round that is already recorded replaces it (the round row, its updates and its
+evaluations), and saving a checkpoint for a round that already has one replaces that
+checkpoint. That is what a resumed run does when it replays rounds after its last
+checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .errors import StoreError, UnknownRun
 from .models import (
     Base,
     CheckpointRow,
+    EvalRow,
     LedgerRow,
     RoundRow,
     RunRow,
@@ -45,6 +47,7 @@ from .records import (
     FINAL_RUN_STATUSES,
     ROUND_STATUSES,
     Checkpoint,
+    EvalRecord,
     RoundInfo,
     RunInfo,
     UpdateRecord,
@@ -67,6 +70,7 @@ _clock_last = datetime.min.replace(tzinfo=UTC)
 
 _INSERT_ROUND = RoundRow.__table__.insert()
 _INSERT_UPDATES = UpdateRow.__table__.insert()
+_INSERT_EVALUATIONS = EvalRow.__table__.insert()
 _RUN_EXISTS = select(RunRow.__table__.c.run_id).where(
     RunRow.__table__.c.run_id == bindparam("run_id"))
 _checkpoints = CheckpointRow.__table__
@@ -227,7 +231,7 @@ class Store:
             row.status = "running"
             row.finished_at = None
             row.summary = None
-            for table in (LedgerRow, SecAggRoundRow, UpdateRow, RoundRow):
+            for table in (LedgerRow, SecAggRoundRow, UpdateRow, EvalRow, RoundRow):
                 s.execute(delete(table).where(table.run_id == run_id, table.round > rnd))
 
     def _run_info(self, row: RunRow, num_rounds: int) -> RunInfo:
@@ -274,11 +278,13 @@ class Store:
         wall_s: float = 0.0,
         updates: Sequence[UpdateRecord] = (),
         started_at: datetime | None = None,
+        evaluations: Sequence[EvalRecord] = (),
     ) -> None:
-        """Record one round and the fate of each of its updates, in one transaction.
+        """Record one round, the fate of each of its updates and each client's answer in
+        its federated evaluation, in one transaction.
 
         ``started_at`` defaults to now minus ``wall_s``. A round recorded again replaces
-        the earlier record (round row and updates).
+        the earlier record (round row, updates and evaluations).
         """
         rnd = check_int(round, "round", minimum=0)
         where = f"round {rnd}"
@@ -307,16 +313,22 @@ class Store:
         if isinstance(updates, UpdateRecord | str | bytes | Mapping):
             raise TypeError(f"{where}: updates must be a sequence of UpdateRecord")
         rows = [self._update_row(run_id, rnd, i, u) for i, u in enumerate(updates)]
+        if isinstance(evaluations, EvalRecord | str | bytes | Mapping):
+            raise TypeError(f"{where}: evaluations must be a sequence of EvalRecord")
+        evals = [self._eval_row(run_id, rnd, i, e) for i, e in enumerate(evaluations)]
         self.flush()  # a recorded round implies the checkpoint saved before it is complete
         with self._session() as s, s.begin():
             self._check_run(s, run_id)
             self._delete_round(s, UpdateRow, run_id, rnd)
+            self._delete_round(s, EvalRow, run_id, rnd)
             self._delete_round(s, RoundRow, run_id, rnd)
             # the tables' own INSERTs (the updates' as one executemany), without the ORM's
             # unit of work: nothing here is read back as an object
             s.execute(_INSERT_ROUND, round_row)
             if rows:
                 s.execute(_INSERT_UPDATES, rows)
+            if evals:
+                s.execute(_INSERT_EVALUATIONS, evals)
 
     @staticmethod
     def _update_row(run_id: str, rnd: int, i: int, u: Any) -> dict[str, Any]:
@@ -346,6 +358,26 @@ class Store:
             "metrics": metrics_to_json(u.metrics, f"{where}: metrics"),
         }
 
+    @staticmethod
+    def _eval_row(run_id: str, rnd: int, i: int, e: Any) -> dict[str, Any]:
+        if not isinstance(e, EvalRecord):
+            raise TypeError(f"round {rnd}, evaluation {i} is a {type(e).__name__}, not an "
+                            "EvalRecord")
+        where = f"round {rnd}, evaluation of client {e.client_id!r}"
+        if not isinstance(e.client_id, str):
+            raise TypeError(f"{where}: client_id must be a str, got {type(e.client_id).__name__}")
+        check_status(e.fate, FATES, f"{where}: fate")
+        if e.reason is not None and not isinstance(e.reason, str):
+            raise TypeError(f"{where}: reason must be a str or None")
+        row: dict[str, Any] = {
+            "run_id": run_id, "round": rnd, "client_id": e.client_id, "fate": e.fate,
+            "reason": e.reason,
+            "num_examples": check_int(e.num_examples, f"{where}: num_examples", minimum=0,
+                                      nullable=True)}
+        for key in ("loss", "accuracy", "loss_personal", "accuracy_personal"):
+            row[key] = float_column(getattr(e, key), f"{where}: {key}")
+        return row
+
     def rounds(self, run_id: str) -> list[RoundInfo]:
         """The recorded rounds of a run, in round order."""
         with self._session() as s:
@@ -366,6 +398,19 @@ class Store:
             rows = s.scalars(query).all()
         return [(u.round, from_row(UpdateRecord, u, metrics=metrics_from_json(u.metrics)))
                 for u in rows]
+
+    def evaluations(self, run_id: str, *,
+                    round: int | None = None) -> list[tuple[int, EvalRecord]]:
+        """``(round, record)`` for every client's answer in the run's federated evaluation
+        rounds (or in one round), in order."""
+        query = select(EvalRow).where(EvalRow.run_id == run_id)
+        if round is not None:
+            query = query.where(EvalRow.round == check_int(round, "round"))
+        query = query.order_by(EvalRow.round, EvalRow.id)
+        with self._session() as s:
+            self._run_row(s, run_id)
+            rows = s.scalars(query).all()
+        return [(e.round, from_row(EvalRecord, e)) for e in rows]
 
     # ---- privacy ledger
 

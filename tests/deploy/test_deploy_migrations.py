@@ -53,6 +53,11 @@ def new_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
         admin.dispose()
 
 
+def head() -> str | None:
+    """The newest revision."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
 def schema_of(url: str) -> dict[str, Any]:
     """Tables, columns (type, nullability), keys, foreign keys (with ON DELETE) and indexes."""
     engine = engine_for(url)
@@ -136,7 +141,7 @@ def test_a_ledger_written_before_0002_keeps_its_rows(new_url: Any) -> None:
                           "epsilon, delta, noise_multiplier, clip, sampling_rate) VALUES "
                           "('r1', 1, 'central', 'rdp', 2.5, 1e-5, 1.1, 1.0, 0.25)"))
     engine.dispose()
-    assert upgrade(url) == "0003"
+    assert upgrade(url) == head()
     with Store(url) as store:
         [row] = store.privacy_ledger("r1")
         assert row["epsilon"] == 2.5 and row["sampling_rate"] == 0.25
@@ -165,7 +170,7 @@ def test_a_ledger_written_at_0002_gains_the_relations(new_url: Any) -> None:
                           "epsilon_model, protects_against) VALUES ('r1', 1, 'local', "
                           "'rdp', 4.7, 1e-5, 1.0, 1.0, 0.25, 9.1, 'server')"))
     engine.dispose()
-    assert upgrade(url) == "0003"
+    assert upgrade(url) == head()
     with Store(url) as store:
         [row] = store.privacy_ledger("r1")
         assert (row["epsilon"], row["epsilon_model"]) == (4.7, 9.1)
@@ -176,3 +181,43 @@ def test_a_ledger_written_at_0002_gains_the_relations(new_url: Any) -> None:
                              epsilon_replace_one=16.5)
         new = store.privacy_ledger("r1")[1]
         assert (new["relation"], new["epsilon_replace_one"]) == ("zero-out", 16.5)
+
+
+def test_a_store_at_0003_gains_the_evaluations_and_keeps_its_rounds(new_url: Any) -> None:
+    """0003 -> 0004: the evaluations table appears, empty; the rounds and updates stay; a
+    round recorded again with its evaluations reads them back, and re-recording it (as a
+    resume does) replaces them."""
+    from server.store import EvalRecord, UpdateRecord
+
+    url = new_url("evaluations")
+    assert upgrade(url, "0003") == "0003"
+    engine = engine_for(url)
+    assert "evaluations" not in inspect(engine).get_table_names()
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (run_id, created_at, status, seed, config) VALUES "
+                          "('r1', '2026-11-28 10:00:00+00:00', 'completed', 0, '{}')"))
+        conn.execute(text("INSERT INTO rounds (run_id, round, model_version, status, "
+                          "num_sampled, num_replies, num_accepted, num_rejected, num_dropped, "
+                          "metrics, wall_s) VALUES ('r1', 1, 1, 'completed', 2, 2, 2, 0, 0, "
+                          "'{\"accuracy\": 0.5}', 0.1)"))
+        conn.execute(text("INSERT INTO updates (run_id, round, client_id, fate, metrics) "
+                          "VALUES ('r1', 1, 'c1', 'accepted', '{}')"))
+    engine.dispose()
+    assert upgrade(url) == head() == "0004"
+    assert schema_of(url)["evaluations"]["indexes"] == [
+        ("ix_evaluations_run_id_round", ["run_id", "round"], False)]
+    with Store(url) as store:
+        assert [r.metrics for r in store.rounds("r1")] == [{"accuracy": 0.5}]
+        assert [u.client_id for _, u in store.updates("r1")] == ["c1"]
+        assert store.evaluations("r1") == []
+        answers = [EvalRecord("c1", "accepted", num_examples=7, loss=0.3, accuracy=0.75,
+                              loss_personal=0.2, accuracy_personal=0.875),
+                   EvalRecord("c2", "rejected", reason="evaluate reply's 'eval_acc' must be "
+                              "in [0, 1], got 1.5"),
+                   EvalRecord("c3", "dropped", reason="late: no reply within 5 s")]
+        store.record_round("r1", round=2, model_version=2, metrics={"accuracy": 0.6},
+                           updates=[UpdateRecord("c1", "accepted")], evaluations=answers)
+        assert store.evaluations("r1") == [(2, a) for a in answers]
+        assert store.evaluations("r1", round=1) == []
+        store.record_round("r1", round=2, model_version=2, evaluations=answers[:1])
+        assert store.evaluations("r1") == [(2, answers[0])]
