@@ -13,6 +13,15 @@ One round is four message round trips, all answered by the same ClientApp:
 - ``query.secagg`` with PUBLIC_KEYS -> SHARE_KEYS, with FORWARDED_SHARES -> MASKED_INPUT
   (the masked vector, in an ArrayRecord of bytes), with UNMASK_REQUEST -> UNMASK_RESPONSE.
 
+A secure evaluation session (``federation.secure_evaluation``) starts with
+``evaluate.secagg``: the model, the evaluate config and a SETUP whose settings give the
+evaluation words' layout. The client checks the session against its policy exactly as
+for training, evaluates the model on its held-out split (the injected evaluation
+function, the same figures a plain evaluate reply carries) and keeps as its input only
+its totals (``privacy.secagg.eval_words.EvalWords``: examples, examples * accuracy,
+examples * loss, the same for its own model where it has one, and how many figures it
+clipped); the later stages are the training session's.
+
 Secure FedBuff splits the first step in two: ``train.secagg_hold`` trains and keeps the
 delta in the state, answering only "ready"; once the server has a buffer of ready
 clients, ``query.secagg`` with SETUP (and the staleness factor s(tau) in ``factor``)
@@ -75,15 +84,18 @@ from flwr.clientapp import ClientApp
 from client.compression import select_shared
 from client.protocol.compression import CompressionRequest
 from client.protocol.errors import WireError
+from client.protocol.evaluation import ClientEvaluation
 from client.protocol.keys import ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import NPY_STYPE, npy_array, npy_view
 from client.protocol.secagg import (
+    EVAL_SETUP_SETTINGS,
     REPLY_STAGE,
     SETUP_SETTINGS,
     SecAggAction,
     SecAggKey,
     SecAggRecord,
     dropout_stage,
+    eval_words,
 )
 from privacy.dp import DistributedDPPlan, clip_l2, distributed_encode
 from privacy.dp.distributed import clip_l2_exact
@@ -113,6 +125,8 @@ class HasDelta(Protocol):
 
 
 LocalUpdateFn = Callable[[Message, Context], HasDelta]
+#: The client's figures for the model of an evaluate message, on its held-out split.
+EvaluationFn = Callable[[Message, Context], ClientEvaluation]
 
 
 @dataclass
@@ -186,9 +200,10 @@ def _record(name: str, data: bytes | memoryview, context: Context, *, dtype: str
     return record
 
 
-def _settings(record: ConfigRecord) -> dict[str, Any]:
+def _settings(record: ConfigRecord,
+              kinds: dict[str, type] = SETUP_SETTINGS) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, kind in SETUP_SETTINGS.items():
+    for key, kind in kinds.items():
         value = record.get(key)
         accepted = (int, float) if kind is float else (kind,)
         if isinstance(value, bool) or not isinstance(value, accepted):
@@ -340,10 +355,13 @@ def _rounded_clip(bound: float, dim: int, weight: float, s: dict[str, Any]) -> f
 
 
 class SecureClient:
-    """The ``train.secagg`` and ``query.secagg`` handlers around a local-update function."""
+    """The ``train.secagg``, ``query.secagg`` and ``evaluate.secagg`` handlers around a
+    local-update function and an evaluation function."""
 
-    def __init__(self, local_update: LocalUpdateFn) -> None:
+    def __init__(self, local_update: LocalUpdateFn,
+                 evaluation: EvaluationFn | None = None) -> None:
         self._local_update = local_update
+        self._evaluation = evaluation
 
     def train(self, msg: Message, context: Context) -> Message:
         """Train, quantize the weighted delta, keep it in the state; answer SETUP."""
@@ -352,6 +370,42 @@ class SecureClient:
         config = msg.content.get(RecordName.CONFIG)
         seed = int(config.get(ConfigKey.SEED, 0)) if isinstance(config, ConfigRecord) else 0
         return self._setup(msg, context, seed, lambda: self._local_update(msg, context))
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        """A secure evaluation session: check the SETUP against this node's policy (as a
+        training session's), evaluate the sent model on the held-out split, keep the
+        evaluation words (``privacy.secagg.eval_words``) as the input; answer SETUP."""
+        for key in (STATE, INPUT):  # a new session replaces any unfinished one
+            context.state.pop(key, None)
+        if self._evaluation is None:
+            raise ProtocolError("this client cannot evaluate in a secure session")
+        config = msg.content.get(RecordName.CONFIG)
+        seed = int(config.get(ConfigKey.SEED, 0)) if isinstance(config, ConfigRecord) else 0
+        payload = _payload(msg)
+        s = _settings(msg.content[SecAggRecord.PROTOCOL], EVAL_SETUP_SETTINGS)
+        words = eval_words(s)
+        pid, rnd = _partition(context), s[SecAggKey.ROUND]
+        drop = dropout_stage(seed, rnd, pid, s[SecAggKey.DROPOUT], s[SecAggKey.DROPOUT_STAGE],
+                             _num_partitions(context))
+        if drop is Stage.ADVERTISE_KEYS:
+            raise InjectedDropout("simulated dropout at stage advertise_keys")
+        setup = decode_setup(payload)[1]
+        if setup.dim != words.words:
+            raise ProtocolError(f"SETUP announces {setup.dim} words, a secure evaluation "
+                                f"has {words.words}")
+        if setup.n * words.level >= 1 << setup.bits:  # the sum must not wrap
+            raise ProtocolError(f"{setup.n} clients' evaluation words up to {words.level} "
+                                f"can wrap a {setup.bits}-bit sum")
+        session = SecAggClient(int(context.node_id), run_id=s[SecAggKey.RUN], round_id=rnd,
+                               policy=client_policy(context))
+        reply = session.handle(payload)  # refuses a session below policy before evaluating
+        figures = self._evaluation(msg, context)
+        quantized = _input_words(setup.dim, setup.bits)
+        quantized[:] = words.encode(figures.num_examples, figures.accuracy, figures.loss,
+                                    figures.accuracy_personal, figures.loss_personal)
+        context.state[INPUT] = _input_record(quantized, context)
+        self._save(context, session, s, seed, pid, drop)
+        return Message(_protocol_content(reply), reply_to=msg)
 
     def hold(self, msg: Message, context: Context) -> Message:
         """Secure FedBuff: train, keep the delta until the buffer's SETUP; answer READY."""
@@ -489,11 +543,14 @@ class SecureClient:
             "partition": pid, SecAggKey.DROPOUT_STAGE: -1 if drop is None else int(drop)})
 
 
-def register_secagg(app: ClientApp, local_update: LocalUpdateFn) -> SecureClient:
-    """Route ``train.secagg``, ``train.secagg_hold`` and ``query.secagg`` messages of ``app``
-    to a SecureClient."""
-    client = SecureClient(local_update)
+def register_secagg(app: ClientApp, local_update: LocalUpdateFn,
+                    evaluation: EvaluationFn | None = None) -> SecureClient:
+    """Route ``train.secagg``, ``train.secagg_hold``, ``query.secagg`` and (with
+    ``evaluation``) ``evaluate.secagg`` messages of ``app`` to a SecureClient."""
+    client = SecureClient(local_update, evaluation)
     app.train(SecAggAction.SECAGG)(client.train)
     app.train(SecAggAction.HOLD)(client.hold)
     app.query(SecAggAction.SECAGG)(client.query)
+    if evaluation is not None:
+        app.evaluate(SecAggAction.SECAGG)(client.evaluate)
     return client

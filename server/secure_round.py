@@ -28,6 +28,11 @@ round's ``train_loss`` (the example-weighted mean, as a plain round's) and
 round's ``secagg_clip_range``, set by ``server.secure_range``). Distributed DP sends
 none of them: its noisy sum is all the server learns.
 
+A secure evaluation (``server.secure_evaluation``) runs the same stages with an
+``evaluation`` layout: the first message is ``evaluate.secagg`` (the model, an evaluate
+config and SETUP), each client's vector holds only its evaluation totals
+(``privacy.secagg.eval_words``), and the session decodes their sums.
+
 Top-k on a shared pattern (``server.compression.SharedPattern``): the SETUP record also
 carries the compression request, the clients mask only the round's ``k`` coordinates
 plus the weight (SecAgg+ vectors of ``k + 1`` words), and the unmasked sum is scattered
@@ -61,9 +66,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from client.protocol.keys import ConfigKey
-from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord
+from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord, eval_setup
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggConfig, SecAggServer, Stage, Status, dequantize_weighted
+from privacy.secagg.eval_words import EvalTotals, EvalWords
 from privacy.secagg.quantize import (
     LOSS_RANGE,
     StatWords,
@@ -125,6 +131,7 @@ class SecureRoundOutcome:
     clipped: int | None = None  # values the survivors clipped (None: not in the sum)
     examples: float = 0.0  # the survivors' examples (those reporting a loss), from the sum
     loss_sum: float = 0.0  # their sum of examples * train_loss, from the sum
+    evaluation: EvalTotals | None = None  # a secure evaluation's decoded totals
 
     def session_record(self) -> dict[str, Any]:
         """The stored secure-aggregation session (``Store.record_secagg_round``'s keys)."""
@@ -208,7 +215,8 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
                  held: dict[int, float] | None = None,
                  dp: DPController | None = None,
                  sparse: RoundPattern | None = None,
-                 masked_input: MaskedInputStage | None = None) -> SecureRoundOutcome:
+                 masked_input: MaskedInputStage | None = None,
+                 evaluation: EvalWords | None = None) -> SecureRoundOutcome:
     """Run the SecAgg+ stages with ``nodes``; the decoded weighted sum, or an abort.
 
     With ``held`` (secure FedBuff: node -> staleness factor s(tau)) the nodes already hold
@@ -230,7 +238,14 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     With ``masked_input`` the masked-input stage runs elsewhere: it gets the session and
     the FORWARDED_SHARES messages and hands the session the sum of the masked vectors
     (``SecAggServer.receive_sum``; cross-silo rounds sum them over a ring).
+
+    With ``evaluation`` (a secure evaluation session) the first message is
+    ``evaluate.secagg`` with ``arrays`` and ``config`` (an evaluate config), each client's
+    vector is its evaluation words in that layout, and the outcome's ``evaluation`` holds
+    the survivors' decoded totals; no model sum, no clip range, no DP, no compression.
     """
+    if evaluation is not None and (dp is not None or sparse is not None or held is not None):
+        raise ValueError("a secure evaluation takes no DP, compression or held updates")
     participants = sorted(int(n) for n in nodes)
     outcome = SecureRoundOutcome(status="aborted", participants=participants, round=rnd)
     plan: DistributedDPPlan | None = None
@@ -240,28 +255,34 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
             if sparse is not None:
                 raise ValueError("a shared top-k pattern does not combine with distributed DP")
             plan = dp.plan.for_clients(len(participants))
-        scale = 0.0 if plan is not None else settings.scale_for(len(participants), weight_by)
+        scale = 0.0 if plan is not None or evaluation is not None \
+            else settings.scale_for(len(participants), weight_by)
     except ValueError as exc:
         outcome.abort_reason = str(exc)
         return outcome
     cap = settings.weight_cap(weight_by)
     outcome.k, outcome.t, outcome.scale = k, t, scale
     sent = sparse.indices.size if sparse is not None else dim  # coordinates under the masks
-    outcome.coordinates = sent
-    stats = None if plan is not None else StatWords(
+    stats = None if plan is not None or evaluation is not None else StatWords(
         sent, max_level(settings.start_range, scale, cap), float(settings.max_weight))
+    if evaluation is not None:
+        words, sent = evaluation.words, 0
+    else:
+        words = plan.padded_dim if stats is None else sent + 1 + stats.words
+    outcome.coordinates = sent
     outcome.clip_range = 0.0 if stats is None else settings.start_range
-    words = plan.padded_dim if stats is None else sent + 1 + stats.words
     server = SecAggServer(SecAggConfig.create(participants, words, bits=settings.bits, k=k,
                                               t=t, run_id=session, round_id=rnd),
                           settings.policy)
-    setup = ConfigRecord({SecAggKey.RUN: session, SecAggKey.ROUND: rnd, SecAggKey.SCALE: scale,
+    common = {SecAggKey.RUN: session, SecAggKey.ROUND: rnd, SecAggKey.DROPOUT: settings.dropout,
+              SecAggKey.DROPOUT_STAGE: settings.dropout_stage}
+    setup = ConfigRecord({**common, SecAggKey.SCALE: scale,
                           SecAggKey.CLIP: settings.start_range, SecAggKey.MAX_WEIGHT: cap,
-                          SecAggKey.WEIGHT_BY: weight_by, SecAggKey.ROUNDING: settings.rounding,
-                          SecAggKey.DROPOUT: settings.dropout,
-                          SecAggKey.DROPOUT_STAGE: settings.dropout_stage})
+                          SecAggKey.WEIGHT_BY: weight_by, SecAggKey.ROUNDING: settings.rounding})
     rotation_seed = secrets.randbits(63) if plan is not None else 0  # public, fresh per round
-    if plan is not None:
+    if evaluation is not None:  # the evaluation words' layout, nothing of a model's
+        setup = ConfigRecord({**common, **eval_setup(evaluation)})
+    elif plan is not None:
         setup[SecAggKey.DP_PLAN] = json.dumps({**plan.to_dict(),
                                                SecAggKey.ROTATION_SEED: rotation_seed})
     else:  # the stat words' bounds
@@ -271,7 +292,7 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
             setup[SecAggKey.DP_CLIP] = float(dp.clip)
     if sparse is not None:
         setup[ConfigKey.COMPRESSION] = sparse.request
-    group = str(rnd)
+    group, action = (f"eval-{rnd}", "evaluate") if evaluation is not None else (str(rnd), "train")
 
     def first(node: int, payload: bytes) -> Message:
         record = ConfigRecord({**setup, SecAggKey.MSG: payload})
@@ -279,7 +300,7 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
             record[SecAggKey.FACTOR] = float(held[node])
             return later(node, b"", record)
         content = RecordDict({"arrays": arrays, "config": config, SecAggRecord.PROTOCOL: record})
-        return Message(content, node, f"train.{SecAggAction.SECAGG}", group_id=group)
+        return Message(content, node, f"{action}.{SecAggAction.SECAGG}", group_id=group)
 
     def later(node: int, payload: bytes, record: ConfigRecord | None = None) -> Message:
         record = record or ConfigRecord({SecAggKey.MSG: payload})
@@ -324,7 +345,14 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
     if server.status is not Status.COMPLETED:
         outcome.abort_reason = outcome.abort_reason or server.abort_reason
         return outcome
-    if plan is not None:
+    if evaluation is not None:
+        total, weight = None, 0.0
+        try:
+            outcome.evaluation = evaluation.decode(server.result())
+        except ValueError as exc:  # pragma: no cover - the server checked the length
+            outcome.abort_reason = f"secure evaluation: {exc}"
+            return outcome
+    elif plan is not None:
         total = distributed_decode(server.result(), plan, rotation_seed).astype(np.float64)
         weight = float(len(outcome.survivors))
         outcome.noise_multiplier = plan.noise_multiplier_with(len(outcome.survivors))

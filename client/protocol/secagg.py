@@ -13,22 +13,31 @@ A client's quantized vector is its coordinates, its weight, then (unless distrib
 is on) ``privacy.secagg.quantize.STAT_WORDS`` stat words whose sums give the round's
 totals: values clipped, examples and example-weighted training loss. No per-client
 figure travels in the clear.
+
+A secure evaluation session (``federation.secure_evaluation``) runs the same stages, but
+its first message is ``evaluate.secagg`` (the model, the evaluate config and a SETUP
+with :data:`EVAL_SETUP_SETTINGS`) and a client's vector is only its evaluation totals
+(``privacy.secagg.eval_words.EvalWords``: examples, examples * accuracy, examples *
+loss, the same for its own model where it has one, and how many figures it clipped).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from typing import Any
 
 import numpy as np
 
 from client.protocol.names import Names
-from privacy.secagg import Stage
+from privacy.secagg import ProtocolError, Stage
+from privacy.secagg.eval_words import EvalWords
 from privacy.secagg.stages import MsgType
 
 
 class SecAggAction(Names):
-    """Message-type suffixes: ``train.secagg``, ``query.secagg``, ``train.secagg_hold``."""
+    """Message-type suffixes: ``train.secagg``, ``query.secagg``, ``train.secagg_hold``,
+    ``evaluate.secagg`` (a secure evaluation session's first message)."""
 
     SECAGG = "secagg"
     HOLD = "secagg_hold"  # train, hold the delta, answer READY
@@ -68,6 +77,9 @@ class SecAggKey(Names):
     # examples count up to MAX_EXAMPLES, the training loss is clipped to +-LOSS_RANGE.
     MAX_EXAMPLES = "max-examples"
     LOSS_RANGE = "loss-range"
+    # A secure evaluation's SETUP: every word of its vector lies in [0, EVAL_LEVEL]
+    # (with MAX_EXAMPLES and LOSS_RANGE, the EvalWords layout).
+    EVAL_LEVEL = "eval-level"
 
 
 #: The settings every SETUP record carries, with their types.
@@ -75,6 +87,30 @@ SETUP_SETTINGS: dict[str, type] = {
     SecAggKey.RUN: int, SecAggKey.ROUND: int, SecAggKey.SCALE: float, SecAggKey.CLIP: float,
     SecAggKey.MAX_WEIGHT: float, SecAggKey.WEIGHT_BY: str, SecAggKey.ROUNDING: str,
     SecAggKey.DROPOUT: float, SecAggKey.DROPOUT_STAGE: str}
+
+#: The settings a secure evaluation's SETUP record carries, with their types.
+EVAL_SETUP_SETTINGS: dict[str, type] = {
+    SecAggKey.RUN: int, SecAggKey.ROUND: int, SecAggKey.DROPOUT: float,
+    SecAggKey.DROPOUT_STAGE: str, SecAggKey.EVAL_LEVEL: int, SecAggKey.MAX_EXAMPLES: int,
+    SecAggKey.LOSS_RANGE: float}
+
+
+def eval_setup(words: EvalWords) -> dict[str, Any]:
+    """The SETUP record entries that tell a client the evaluation words' layout."""
+    return {SecAggKey.EVAL_LEVEL: words.level, SecAggKey.MAX_EXAMPLES: words.max_examples,
+            SecAggKey.LOSS_RANGE: float(words.loss_range)}
+
+
+def eval_words(settings: dict[str, Any]) -> EvalWords:
+    """The evaluation words' layout from a checked SETUP record's settings;
+    ProtocolError when they make none."""
+    try:
+        return EvalWords(level=settings[SecAggKey.EVAL_LEVEL],
+                         max_examples=settings[SecAggKey.MAX_EXAMPLES],
+                         loss_range=settings[SecAggKey.LOSS_RANGE])
+    except ValueError as exc:
+        raise ProtocolError(f"secure evaluation settings: {exc}") from None
+
 
 STAGE_NAMES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 #: The stage a client's reply to each server message belongs to.
