@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 DEFAULT_DB = "sqlite:///runs/fedring.db"
 ENGINES = ("inprocess", "flower")
+TARGETS = ("central", "federated", "personal")  # server.driver_config.TARGET_METRICS' keys
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -29,6 +30,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         values["seed"] = args.seed
     if getattr(args, "target_accuracy", None) is not None:
         values["driver.target_accuracy"] = args.target_accuracy
+    if getattr(args, "target_on", None) is not None:
+        values["driver.target_on"] = args.target_on
     return load_scenario(args.scenario, args.set, values=values)
 
 
@@ -128,7 +131,7 @@ def _attackers(config: dict[str, Any]) -> list[int] | None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from server.reporter import summary_relations
+    from server.reporter import federated_text, summary_relations
     from server.store import Store
     from simulations.progress import RichReporter
 
@@ -175,6 +178,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     central = ", ".join(f"{name} {summary[key]:.4f}" for name, key in
                         (("accuracy", "final_accuracy"), ("loss", "final_loss"))
                         if summary.get(key) is not None) or "no central evaluation"
+    if federated := federated_text(summary):
+        central += f", {federated}"
     took = f"{summary['wall_s']:.1f} s"
     if "resumed_after_round" in summary:
         took += f" since resuming ({summary['wall_s_total']:.1f} s for the whole run)"
@@ -221,7 +226,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from server.store import Store
     from simulations.report import (
+        HEADERS,
         audit_line,
+        fit_columns,
         plot_run,
         privacy_summary,
         report_columns,
@@ -239,18 +246,26 @@ def cmd_report(args: argparse.Namespace) -> int:
                           "audit": audit_line(info.summary), "rounds_table": rows},
                          default=str))
         return 0
-    table = Table(title=f"run {info.run_id} ({info.name}, {info.status})", box=box.SIMPLE_HEAD,
-                  padding=(0, 1, 0, 0), show_edge=False)
-    columns = report_columns(rows, wide=args.wide)
-    for col in columns:
-        table.add_column(col, no_wrap=True)
-    for row in rows:
-        table.add_row(*(_fmt(row.get(c)) for c in columns))
+
+    def table_of(columns: list[str], titled: bool = True) -> Table:
+        table = Table(title=f"run {info.run_id} ({info.name}, {info.status})" if titled
+                      else None,
+                      box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
+        for col in columns:
+            table.add_column(HEADERS.get(col, col), no_wrap=True)
+        for row in rows:  # blank where a round has no such figure (e.g. no evaluation)
+            table.add_row(*(_fmt(row.get(c)) for c in columns))
+        return table
+
     console = Console()
-    console.print(table)
+    columns = report_columns(rows, wide=args.wide)
+    if not args.wide:
+        columns = fit_columns(columns, rows, lambda cols: _width(table_of(cols, False)),
+                              console.width)
+    console.print(table_of(columns))
     if not args.wide:
         console.print("more columns (version, sampled, secure rounds' k/t and survivors, "
-                      "bytes, train loss, ...): --wide")
+                      "bytes, train loss, the clients' accuracy spread, ...): --wide")
     if privacy is not None:
         console.print(privacy)
     if audit_line(info.summary) is not None:
@@ -259,6 +274,17 @@ def cmd_report(args: argparse.Namespace) -> int:
         console.print(info.summary["stop_reason"])
     console.print(f"plot: {path}")
     return 0
+
+
+def _width(renderable: object) -> int:
+    """The widest line of ``renderable`` printed without a width limit."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=10_000).print(renderable)
+    return max((len(line) for line in out.getvalue().splitlines()), default=0)
 
 
 def _fmt(value: object) -> str:
@@ -283,7 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--engine", choices=ENGINES, default="inprocess",
                      help="inprocess (default, fastest) or flower (Flower's Ray simulation)")
     sim.add_argument("--target-accuracy", type=float, metavar="A",
-                     help="stop once central test accuracy reaches A (driver.target_accuracy)")
+                     help="stop once the accuracy --target-on names reaches A "
+                          "(driver.target_accuracy)")
+    sim.add_argument("--target-on", choices=TARGETS,
+                     help="which accuracy --target-accuracy means (driver.target_on): central "
+                          "(default; the server's test set), federated (the global model on "
+                          "the clients' held-out splits, example-weighted; needs "
+                          "federation.evaluate_fraction > 0) or personal (each client's own "
+                          "model there: its own batch norm under FedBN, "
+                          "aggregation.local_buffers = true)")
     sim.add_argument("--json", action="store_true", help="end with one JSON summary line")
     sim.add_argument("--resume", metavar="RUN_ID",
                      help="continue a run from its last checkpoint (same --db)")

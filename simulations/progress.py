@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from server.reporter import Reporter, figures_line
+from server.reporter import Reporter, federated_text, figures_line
 
 REFRESH_S = 0.1  # Rich redraws a live display 10 times a second
 
@@ -27,6 +27,7 @@ class RichReporter(Reporter):
         self._clients = self.progress.add_task("clients", total=1, info="")
         self._shown = -math.inf  # when the clients' bar was last updated (monotonic)
         self._relation = ""  # epsilon's neighbouring relation, shown beside it
+        self._federated: tuple[int, str] | None = None  # the last federated evaluation
 
     def __enter__(self) -> RichReporter:
         self.progress.start()
@@ -59,6 +60,11 @@ class RichReporter(Reporter):
             info += f"  dp-sgd eps {metrics['dp_sgd_epsilon']:.3g}"
         if metrics.get("secagg_clipped"):  # values clipped under secure aggregation
             info += f"  clipped {int(metrics['secagg_clipped'])}"
+        if federated := federated_text(metrics):  # a round that evaluated on the clients
+            self._federated = (rnd, federated)
+        if self._federated:  # the last evaluation stays in view, with its round once old
+            at, federated = self._federated
+            info += f"  {federated}" + (f" at round {at}" if at != rnd else "")
         self.progress.update(self._rounds, completed=rnd, info=info)
 
     def privacy_figures(self, relations: dict[str, str], against: dict[str, str]) -> None:

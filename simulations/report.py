@@ -1,4 +1,5 @@
-"""Look at a stored run: the per-round table and a PNG of accuracy and loss per round."""
+"""Look at a stored run: the per-round table and a PNG of accuracy and loss per round, with
+the spread of the clients' own accuracies on rounds that evaluated on them."""
 
 from __future__ import annotations
 
@@ -6,13 +7,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from server.spread import COUNT, LOSS, PERSONAL, STATS, accuracy_key
 from server.store import RoundInfo, RunInfo, Store
 
 SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
                   "masked_input": "drop@input", "unmasking": "drop@unmask"}
+# the federated evaluation's columns: the global model's, then the clients' own models'
+FEDERATED_COLUMNS = tuple(accuracy_key(stat, personal=personal)
+                          for personal in (False, True) for stat in (None, "p10", "min"))
 # what ``fedring report`` shows without --wide: readable at 80 columns
 ESSENTIAL_COLUMNS = ("round", "status", "accepted", "rejected", "dropped", "accuracy", "loss",
-                     "epsilon", "secagg_clipped")
+                     *FEDERATED_COLUMNS, "epsilon", "secagg_clipped")
+# two-line headers for the federated figures, whose names are too wide for a table
+HEADERS = {COUNT: "fed\nclients", LOSS: "fed\nloss", LOSS + PERSONAL: "pers\nloss",
+           **{accuracy_key(stat, personal=personal): f"{'pers' if personal else 'fed'}\n"
+              f"{stat or 'acc'}" for personal in (False, True) for stat in (None, *STATS)}}
+# essential columns left out, in turn, when the table is wider than the terminal: first
+# those with the same value on every round (e.g. no update ever rejected), then these
+NARROW_DROPS = ("loss", accuracy_key("p10", personal=False), accuracy_key("p10", personal=True))
+CONSTANT_DROPS = ("status", "rejected", "dropped")
 RUN_COLUMNS = ("run", "name", "status", "rounds", "accuracy", "created")
 
 
@@ -46,9 +59,24 @@ def round_table(rounds: list[RoundInfo],
 
 def report_columns(rows: list[dict[str, object]], *, wide: bool) -> list[str]:
     """The columns of a run's round table: every one with ``wide``, else the essential ones
-    that the run has."""
+    that the run has (a federated column: some round evaluated on the clients)."""
     present = list(dict.fromkeys(k for row in rows for k in row))
     return present if wide else [c for c in ESSENTIAL_COLUMNS if c in present]
+
+
+def fit_columns(columns: list[str], rows: list[dict[str, object]], width_of: Any,
+                width: int) -> list[str]:
+    """``columns`` less those of :data:`CONSTANT_DROPS` that hold one value on every row,
+    then those of :data:`NARROW_DROPS`, in turn, until ``width_of(columns)`` (the table's
+    rendered width) fits in ``width``."""
+    columns = list(columns)
+    constant = [c for c in CONSTANT_DROPS if len({str(row.get(c)) for row in rows}) == 1]
+    for drop in (*constant, *NARROW_DROPS):
+        if width_of(columns) <= width:
+            break
+        if drop in columns:
+            columns.remove(drop)
+    return columns
 
 
 def run_row(run: RunInfo) -> dict[str, Any]:
@@ -117,8 +145,50 @@ def audit_line(summary: dict[str, Any] | None) -> str | None:
     return line
 
 
+def spread_series(rounds: list[RoundInfo]) -> dict[str, tuple[list[int], list[float]]]:
+    """``{metric: (rounds, values)}`` for the spread panel: the clients' mean accuracy, its
+    10th and 90th percentiles and the weighted mean, of the global model and of the
+    clients' own, on the rounds that evaluated on the clients; the central accuracy on
+    those and every other round that has it. {} when no round evaluated on the clients."""
+    keys = [accuracy_key(stat, personal=personal) for personal in (False, True)
+            for stat in (None, "mean", "p10", "p90")]
+    out = {}
+    for key in [*keys, "accuracy"]:
+        points = [(r.round, float(r.metrics[key])) for r in rounds
+                  if r.metrics.get(key) is not None]
+        if points:
+            out[key] = ([x for x, _ in points], [y for _, y in points])
+    return out if accuracy_key() in out else {}
+
+
+def _spread_panel(ax: Any, spread: dict[str, tuple[list[int], list[float]]]) -> None:
+    """The clients' accuracy per round: the mean over clients with its 10th-90th
+    percentile band, the personal models' likewise, and the central accuracy beside."""
+    for personal, label, color in ((False, "federated", "tab:blue"),
+                                   (True, "personal", "tab:green")):
+        mean, low, high = (accuracy_key(stat, personal=personal) for stat in
+                           ("mean", "p10", "p90"))
+        if mean not in spread:
+            continue
+        xs, ys = spread[mean]
+        ax.plot(xs, ys, marker="o", color=color, label=f"{label} mean over clients")
+        weighted = accuracy_key(personal=personal)
+        if weighted in spread:
+            ax.plot(*spread[weighted], marker="x", linestyle=":", color=color,
+                    label=f"{label}, example-weighted")
+        if low in spread and high in spread:
+            ax.fill_between(spread[low][0], spread[low][1], spread[high][1], color=color,
+                            alpha=0.2, label=f"{label} 10th-90th percentile")
+    if "accuracy" in spread:
+        ax.plot(*spread["accuracy"], marker=".", color="black", linestyle="--",
+                label="central")
+    ax.set(title="accuracy across clients", xlabel="round", ylim=(0, 1))
+    ax.legend(fontsize="small")
+
+
 def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
-    """Write ``<run_id>.png``: accuracy, loss and update fates per round."""
+    """Write ``<run_id>.png``: accuracy, loss and update fates per round, the spread of the
+    clients' accuracies where rounds evaluated on them, privacy spent under DP."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,8 +203,9 @@ def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
         return [float(r.metrics.get(key, float("nan")) or float("nan")) for r in rounds]
 
     ledger = store.privacy_ledger(run_id)
-    fig, axes = plt.subplots(1, 4 if ledger else 3, figsize=(18 if ledger else 14, 4),
-                             constrained_layout=True)
+    spread = spread_series(rounds)
+    panels = 3 + bool(spread) + bool(ledger)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4), constrained_layout=True)
     axes[0].plot(xs, series("accuracy"), marker="o")
     axes[0].set(title="test accuracy", xlabel="round", ylim=(0, 1))
     axes[1].plot(xs, series("loss"), marker="o", label="test loss")
@@ -150,6 +221,8 @@ def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     axes[2].set(title="updates", xlabel="round")
     axes[2].legend()
     info = store.get_run(run_id)
+    if spread:
+        _spread_panel(axes[3], spread)
     if ledger:
         rounds_ = [e["round"] for e in ledger]
         against = ledger[-1].get("protects_against") or "unrecorded adversary"
@@ -159,11 +232,11 @@ def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
                                    ("epsilon_model", ".", "released model")):
             if any(e.get(key) is not None for e in ledger):
                 relation = relations.get(key, "relation not recorded")
-                axes[3].plot(rounds_, [e.get(key) for e in ledger], marker=marker,
+                axes[-1].plot(rounds_, [e.get(key) for e in ledger], marker=marker,
                              label=f"{key}: the {party} ({relation})")
-        axes[3].set(title=f"privacy spent (delta={ledger[-1]['delta']:g}, "
+        axes[-1].set(title=f"privacy spent (delta={ledger[-1]['delta']:g}, "
                           f"{ledger[-1]['mode']} DP)", xlabel="round", ylabel="epsilon")
-        axes[3].legend()
+        axes[-1].legend()
     fig.suptitle(f"run {run_id} ({info.name})")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{run_id}.png"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from server.reporter import Reporter, figures_line
+from server.spread import accuracy_key
 
 log = logging.getLogger("fedring")
 EXTRA = "pip install 'fedring[tracking]'"
@@ -70,12 +71,32 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
             if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
+def spread_layout(metrics: Mapping[str, float]) -> dict[str, dict[str, list[Any]]]:
+    """TensorBoard's custom-scalars layout of a federated evaluation's figures: a margin
+    chart per model (the clients' mean accuracy in its 10th-90th percentile band) and the
+    weighted, minimum and central accuracies on one chart."""
+    charts: dict[str, list[Any]] = {}
+    for personal, name in ((False, "global model"), (True, "personal models")):
+        if accuracy_key(personal=personal) not in metrics:
+            continue
+        charts[f"clients' accuracy, {name}: mean, 10th-90th percentile"] = [
+            "Margin", [accuracy_key(stat, personal=personal) for stat in ("mean", "p10", "p90")]]
+        charts[f"weighted, minimum and central accuracy, {name}"] = [
+            "Multiline", [f"^{re.escape(tag)}$" for tag in  # tags are regular expressions
+                          (accuracy_key(personal=personal),
+                           accuracy_key("min", personal=personal), "accuracy")]]
+    return {"federated evaluation": charts}
+
+
 class TensorBoardSink:
-    """One event-file run per fedring run, in ``<dir>/<run_id>``."""
+    """One event-file run per fedring run, in ``<dir>/<run_id>``: every round figure as a
+    scalar under its store name (``federated_accuracy_p10``, ...), and once a round has
+    evaluated on the clients, a custom-scalars layout that charts their spread."""
 
     def __init__(self, log_dir: str) -> None:
         self.log_dir = Path(log_dir)
         self.writer: Any = None
+        self.spread_shown = False  # the custom-scalars layout of the clients' spread
 
     def start(self, run_id: str, config: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -92,6 +113,9 @@ class TensorBoardSink:
         self.writer.flush()
 
     def round(self, rnd: int, metrics: Mapping[str, float]) -> None:
+        if not self.spread_shown and accuracy_key() in metrics:
+            self.writer.add_custom_scalars(spread_layout(metrics))
+            self.spread_shown = True
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=rnd)
         self.writer.flush()  # a run that dies keeps what it reported

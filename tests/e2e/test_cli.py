@@ -57,3 +57,29 @@ def test_bad_configuration_fails_at_start_with_a_message(tmp_path, args, message
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "s.db").exists() or "run" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_target_on_federated_stops_on_the_clients_figure_and_report_shows_it(tmp_path):
+    """Central accuracy passes 0.25 after round 1 (0.30 with this seed); the clients first
+    evaluate in round 2 (every 2nd round), so a target on their figure stops there."""
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    proc = fedring("simulate", "--clients", "4", "--rounds", "5", "--seed", "3", "--db", db,
+                   "--set", "train.local_epochs=1", "--set", "federation.evaluate_fraction=1",
+                   "--set", "federation.evaluate_every=2", "--target-accuracy", "0.25",
+                   "--target-on", "federated", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["rounds"] == 2 and summary["reached_target"] is True
+    assert summary["federated_accuracy"] >= 0.25
+    assert (f"fed acc {summary['federated_accuracy']:.3f} "
+            f"(p10 {summary['federated_accuracy_p10']:.2f}, "
+            f"min {summary['federated_accuracy_min']:.2f})") in proc.stderr
+
+    report = fedring("report", summary["run_id"], "--db", db, "--json", cwd=tmp_path)
+    rows = {r["round"]: r for r in json.loads(report.stdout)["rounds_table"]}
+    assert rows[1]["accuracy"] >= 0.25 and "federated_accuracy" not in rows[1]
+    for key in ("federated_accuracy", "federated_accuracy_p10", "federated_accuracy_min"):
+        assert rows[2][key] == summary[key]
+    table = fedring("report", summary["run_id"], "--db", db, "--out", str(tmp_path), cwd=tmp_path)
+    assert f"{summary['federated_accuracy_p10']:.4f}" in table.stdout

@@ -227,3 +227,54 @@ def test_reporters_pass_every_hook_on():
         getattr(fan, name)(*(["x"] * (getattr(Reporter, name).__code__.co_argcount - 1)))
     assert [(who, name) for who, name, _ in seen] == [
         (id(r), name) for name in hooks for r in (a, b)]
+
+
+def test_federated_figures_reach_tensorboard_and_mlflow_on_the_rounds_that_evaluated(
+        tmp_path, db_url, store, monkeypatch):
+    """FedBN on the feature-shift scenario, evaluating on the clients every 2nd round and
+    after the last: the global and personal figures, under their store names, read back
+    from the event file and the MLflow store equal the store's on rounds 2 and 3 only; the
+    TensorBoard layout charts the spread as a margin (mean, p10, p90)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from server.spread import accuracy_key
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    config = load_scenario("feature_shift", [
+        "federation.clients=4", "federation.rounds=3", "train.local_epochs=1",
+        "federation.evaluate_every=2", "aggregation.local_buffers=true",
+        f'tracking.tensorboard="{tmp_path / "tb"}"', f'tracking.mlflow="{tmp_path / "ml"}"'])
+    summary = run_simulation(config, engine="inprocess", db=db_url)
+    rounds = {r.round: r.metrics for r in store.rounds(summary["run_id"]) if r.round > 0}
+    keys = [accuracy_key(stat, personal=personal) for personal in (False, True)
+            for stat in (None, "mean", "std", "p10", "p90", "min")]
+    keys += ["federated_loss", "federated_loss_personal", "federated_clients"]
+    stored = {k: {rnd: m[k] for rnd, m in rounds.items() if k in m} for k in keys}
+    assert all(by_round.keys() == {2, 3} for by_round in stored.values()), stored
+    assert stored["federated_clients"] == {2: 4.0, 3: 4.0}
+
+    events = EventAccumulator(str(tmp_path / "tb" / summary["run_id"]),
+                              size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    client = MlflowClient(tracking_uri=(tmp_path / "ml").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("fedring").experiment_id])
+    for key, by_round in stored.items():
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        assert logged == pytest.approx(by_round, rel=1e-6), key  # TensorBoard keeps float32
+        history = client.get_metric_history(run.info.run_id, key)
+        assert {m.step: m.value for m in history} == by_round, key
+
+    (written,) = events.Tensors("custom_scalars__config__")  # once, at the first evaluation
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(written.tensor_proto.string_val[0])
+    (category,) = layout.category
+    margins = [c.margin.series[0] for c in category.chart if c.HasField("margin")]
+    assert [(s.value, s.lower, s.upper) for s in margins] == [
+        (accuracy_key("mean", personal=p), accuracy_key("p10", personal=p),
+         accuracy_key("p90", personal=p)) for p in (False, True)]
+    lines = [list(c.multiline.tag) for c in category.chart if c.HasField("multiline")]
+    assert lines[0] == ["^federated_accuracy$", "^federated_accuracy_min$", "^accuracy$"]
