@@ -478,3 +478,22 @@ def test_fedbn_clients_send_their_own_models_figures_as_totals(run_inprocess, st
         expected = sum(f.num_examples * of(f) for f in figures.values()) / total
         assert abs(metrics[key] - expected) <= step, key
     assert metrics["federated_accuracy_personal"] != metrics["federated_accuracy"]
+
+
+@pytest.mark.parametrize(("level", "refused"), [(2**30, True), (2**30 - 1, False)])
+def test_clients_refuse_a_layout_whose_sum_could_wrap(level, refused):
+    """Four clients at 32 bits: words up to 2^30 let the sum reach 2^32 and wrap, so every
+    client refuses before evaluating; one less and the session completes."""
+    evaluated: list[int] = []
+    n = 4
+    out = secure_round(InProcessGrid(counting_app(evaluated), n), nodes=list(range(1, n + 1)),
+                       arrays=ArrayRecord(), config=ConfigRecord({ConfigKey.SEED: 0}),
+                       settings=SecAggScenarioConfig(enabled=True), weight_by="examples",
+                       dim=0, session=9, rnd=1, timeout=5.0, poll=0.001,
+                       evaluation=EvalWords(level=level))
+    if refused:
+        assert out.status == "aborted" and evaluated == []
+        assert all("can wrap a 32-bit sum" in r.reason for r in out.update_records())
+    else:
+        assert out.status == "completed" and sorted(evaluated) == [1, 2, 3, 4]
+        assert out.evaluation is not None and out.evaluation.examples == 40
