@@ -25,6 +25,10 @@ of the clients' accuracies, std, p10, p90 or min). Each cohort member gets one r
 accepted (a survivor; its figures None, as they are unknown), dropped (the stage and
 why) or rejected (why: a refused message, an aborted session, inconsistent totals).
 Evaluation is not covered by the DP accounting; the session runs without DP noise.
+
+The session itself (k, t, dropouts by stage, seconds) is :attr:`SecureEvaluation.outcome`
+(``session_record()``); the store's ``secagg_rounds`` table keeps one session per round,
+the training round's, so the evaluation's is not stored there: its records are.
 """
 
 from __future__ import annotations
