@@ -4,8 +4,8 @@ Workload: fedring's default scenario (digits over 20 clients, Dirichlet(0.5) lab
 the MLP, 5 local epochs of SGD with momentum), every client every round, ``--rounds``
 rounds (default 20), on the in-process engine (real ServerApp, silo ClientApps on threads,
 each gossip exchange in real processes over gloo, SQLite store). Every client holds out
-the same split of its partition (``gossip.holdout_fraction`` 0.2, seeded by the run seed
-and its partition id) and trains on the rest, in every system:
+the same split of its partition (``data.client_test_fraction`` 0.2, seeded by the run
+seed and its partition id) and trains on the rest, in every system:
 
 - ``gossip_ring`` and ``gossip_random`` (``driver.kind = "gossip"``; ``gossip.topology``
   ring, or random with ``gossip.degree`` 4, a new graph each round): each silo evaluates
@@ -62,30 +62,12 @@ def scenario(kind: str, rounds: int, quick: bool, topology: str = "ring") -> dic
     from simulations.config import load_scenario
 
     values: dict[str, Any] = {"federation.rounds": rounds, "federation.checkpoint_every": 0,
-                              "driver.kind": kind}
+                              "driver.kind": kind, "data.client_test_fraction": HOLDOUT}
     if quick:
         values.update({"federation.clients": 4, "train.local_epochs": 1})
     if kind == "gossip":
-        values.update({"gossip.topology": topology, "gossip.degree": 4,
-                       "gossip.holdout_fraction": HOLDOUT})
+        values.update({"gossip.topology": topology, "gossip.degree": 4})
     return load_scenario("default", values=values)
-
-
-class TrainSplit:
-    """A task whose partitions leave out each client's held-out split (as silos do)."""
-
-    def __init__(self, task: Any) -> None:
-        self._task = task
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._task, name)
-
-    def partition(self, pid: int) -> Any:
-        from client.silo.gossip import holdout_split
-
-        x, y = self._task.partition(pid)
-        train_idx, _ = holdout_split(len(x), HOLDOUT, self._task.seed, pid)
-        return x[train_idx], y[train_idx]
 
 
 class HeldOutEvaluation:
@@ -103,7 +85,6 @@ class HeldOutEvaluation:
 
     def evaluate(self, params: Any) -> dict[str, float]:
         from client.flat_model import FlatModel
-        from client.silo.gossip import holdout_split
         from client.training import evaluate
 
         central = self._task.evaluate(params)
@@ -112,9 +93,7 @@ class HeldOutEvaluation:
         self._model.load(params)
         accs, losses = [], []
         for pid in range(self.clients):
-            x, y = self._task.partition(pid)
-            _, held = holdout_split(len(x), HOLDOUT, self._task.seed, pid)
-            loss, acc = evaluate(self._model.module, x[held], y[held])
+            loss, acc = evaluate(self._model.module, *self._task.client_test(pid))
             accs.append(acc)
             losses.append(loss)
         return {"accuracy": statistics.fmean(accs), "loss": statistics.fmean(losses),
@@ -123,16 +102,13 @@ class HeldOutEvaluation:
 
 def run_fedavg(config: dict[str, Any], db: str) -> tuple[dict[str, Any], float]:
     """FedAvg on the training splits, evaluated on the held-out splits: summary, seconds."""
-    from client.app import make_client_app
     from server.app import run_server
-    from simulations.apps import build_task, spec_from_run_config
+    from simulations.apps import build_task, client_app
     from simulations.inprocess import InProcessGrid
-    from simulations.module_task import make_task
 
     clients = config["federation"]["clients"]
-    app = make_client_app(lambda spec: TrainSplit(make_task(spec)), spec_from_run_config)
     started = time.perf_counter()
-    summary = run_server(InProcessGrid(app, clients), config,
+    summary = run_server(InProcessGrid(client_app, clients), config,
                          task=HeldOutEvaluation(build_task(config), clients), store_url=db)
     return summary, time.perf_counter() - started
 
@@ -296,7 +272,7 @@ def main() -> int:
         "benchmark": "gossip", "quick": args.quick, "machine": machine(),
         "loadavg_before": load_before, "loadavg_after": load_average(),
         "workload": {"scenario": "default", "clients": clients, "rounds": rounds,
-                     "parameters": dim, "holdout_fraction": HOLDOUT, "random_degree": 4,
+                     "parameters": dim, "client_test_fraction": HOLDOUT, "random_degree": 4,
                      "local_epochs": fedavg_config["train"]["local_epochs"]},
         "fedavg_final_accuracy": fedavg_final, "within": WITHIN, "level": level,
         "reached": reached, "reached_to_stay": stays,

@@ -2,7 +2,9 @@
 
 Under a fedring server the reply is the flat delta; under any other Flower server
 (e.g. ``flwr.serverapp.strategy.FedAvg``) it is Flower's convention of full weights
-plus "num-examples", so the same ClientApp works with both.
+plus "num-examples", so the same ClientApp works with both. An evaluate message is
+answered on the client's held-out split (never trained on), under either server; with
+FedBN the client also measures its own model (its batch-norm layers and buffers).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from client.dp_sgd import DPSGDBudgetExceeded, dp_sgd_round
 from client.flat_model import FlatModel
 from client.momentum import momentum_update
 from client.protocol.errors import WireError
+from client.protocol.evaluation import ClientEvaluation, evaluation_metrics
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
 from client.protocol.records import metric_record, record_dict
 from client.protocol.train import read_center, read_client_momentum, read_dp_sgd_prior_rounds
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
-from client.task import ATTACKER_METRIC, ClientTask, SpecResolver, TaskFactory
+from client.task import ATTACKER_METRIC, ClientTask, LocalEvaluate, SpecResolver, TaskFactory
 from client.training import (
     check_model,
     evaluate,
@@ -71,6 +74,8 @@ class _Worker:
     model: FlatModel
     data: dict[int, tuple[torch.Tensor, torch.Tensor]]
     delta: np.ndarray  # reused for every reply's delta before it is serialised
+    tests: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = field(
+        default_factory=dict)  # held-out splits, on the model's device
     replies: ReplyBuffers = field(default_factory=ReplyBuffers)  # in-process
     optimizer: torch.optim.Optimizer | None = None  # reset for each client
     base_record: ArrayRecord | None = None  # the record ``base_flat`` was read from
@@ -238,6 +243,14 @@ class FedringClient:
             worker.data[pid] = (x.to(worker.model.device), y.to(worker.model.device))
         return worker.data[pid]
 
+    @staticmethod
+    def _held_out(worker: _Worker, pid: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if pid not in worker.tests:  # moved to the model's device once
+            held = worker.task.client_test(pid)
+            worker.tests[pid] = None if held is None else (held[0].to(worker.model.device),
+                                                           held[1].to(worker.model.device))
+        return worker.tests[pid]
+
     def local_update(self, msg: Message, context: Context) -> LocalUpdate:
         """Load the sent model, train on this node's partition; the delta and its metrics."""
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
@@ -328,26 +341,89 @@ class FedringClient:
                                    RecordName.METRICS: metrics})
         return Message(content, reply_to=msg)
 
-    def evaluate(self, msg: Message, context: Context) -> Message:
+    def evaluation(self, msg: Message, context: Context) -> ClientEvaluation:
+        """The sent model's figures on this node's held-out split and, with FedBN and a
+        batch norm of its own in the node state, its own model's; WireError when the
+        client has no held-out split. The worker's cached global model and reply buffers
+        are left as they are, and the model in train mode."""
+        return self._evaluation(msg, context)[0]
+
+    def _evaluation(self, msg: Message, context: Context
+                    ) -> tuple[ClientEvaluation, dict[str, float]]:
+        """``evaluation`` and the task's own other figures (its ``evaluate``'s)."""
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         worker = self._worker(config, context)
         pid = self._partition_id(context)
-        model = worker.writable_model()
-        read_model(record_of(msg.content, ArrayRecord, RecordName.ARRAYS), model.layout,
-                   out=model.flat_np)
-        local_state.restore(context.state, model, _flag(config, ConfigKey.LOCAL_BUFFERS))
-        model.to_device()
-        if worker.task.evaluator is not None:  # the task's own evaluation
-            count, result = worker.task.evaluator(model.module, pid)
-            names = {"loss": "eval_loss", "accuracy": "eval_acc"}
-            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: count,
-                                    **{names.get(k, f"eval_{k}"): v for k, v in result.items()}})
-        else:
-            x, y = self._data(worker, pid)
-            loss, acc = evaluate(model.module, x, y)
-            metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x), "eval_loss": loss,
-                                    "eval_acc": acc})
+        record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
+        held = None
+        if worker.task.evaluator is None:
+            held = self._held_out(worker, pid)
+            if held is None or len(held[1]) == 0:
+                raise no_held_out_split(pid)
+        model = worker.writable_model()  # (out of a buffer a reply may still hold)
+        return measure(worker.task.evaluator, model, record, pid, held, context,
+                       fedbn=_flag(config, ConfigKey.LOCAL_BUFFERS))
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        figures, extra = self._evaluation(msg, context)
+        metrics = evaluation_metrics(figures)
+        for key, value in extra.items():  # e.g. a task module's own metric, as "eval_<key>"
+            metrics.setdefault(f"eval_{key}", value)
         return Message(RecordDict({RecordName.METRICS: metrics}), reply_to=msg)
+
+
+def no_held_out_split(pid: int) -> WireError:
+    return WireError(f"partition {pid} has no held-out split: set data.client_test_fraction "
+                     "> 0 (a task module: task.client_test_fraction > 0, or give "
+                     "load_client_test)")
+
+
+def measure(evaluator: LocalEvaluate | None, model: FlatModel, record: ArrayRecord, pid: int,
+            held: tuple[torch.Tensor, torch.Tensor] | None, context: Context, *,
+            fedbn: bool) -> tuple[ClientEvaluation, dict[str, float]]:
+    """Evaluate the model in ``record`` on the held-out split ``held`` (or with the task's
+    own ``evaluator``) in ``model``; with ``fedbn`` and this node's own batch norm saved in
+    ``context.state``, its own model too (``client.local_state``). The figures, and the
+    evaluator's other metrics for the sent model. ``model`` is left holding the last model
+    measured, in train mode."""
+    read_model(record, model.layout, out=model.flat_np)
+    local_state.restore(context.state, model, False)  # its exact buffers (counts) only
+    personal = fedbn and bool(local_state.local_spans(model)) and isinstance(
+        context.state.get(local_state.LOCAL_STATE), ArrayRecord)
+    try:
+        model.to_device()
+        count, loss, acc, extra = _figures(evaluator, model.module, pid, held)
+        if not personal:
+            return ClientEvaluation(num_examples=count, loss=loss, accuracy=acc), extra
+        local_state.restore(context.state, model, True)  # its own batch-norm layers
+        model.to_device()
+        _, loss_p, acc_p, _ = _figures(evaluator, model.module, pid, held)
+        return ClientEvaluation(num_examples=count, loss=loss, accuracy=acc,
+                                loss_personal=loss_p, accuracy_personal=acc_p), extra
+    finally:
+        model.module.train()  # the next local training starts as it always does
+
+
+def _figures(evaluator: LocalEvaluate | None, module: torch.nn.Module, pid: int,
+             held: tuple[torch.Tensor, torch.Tensor] | None
+             ) -> tuple[int, float, float, dict[str, float]]:
+    """(examples, loss, accuracy, the evaluator's other metrics) of ``module`` on the
+    held-out split."""
+    if evaluator is None:
+        if held is None or len(held[1]) == 0:
+            raise no_held_out_split(pid)
+        loss, acc = evaluate(module, *held)
+        return len(held[1]), loss, acc, {}
+    count, result = evaluator(module, pid)
+    if count == 0:
+        raise no_held_out_split(pid)
+    missing = [k for k in ("loss", "accuracy") if k not in result]
+    if missing:
+        raise WireError(f"the task's evaluate() returned {sorted(result)}, without "
+                        f"{' and '.join(repr(k) for k in missing)}: federated evaluation "
+                        "needs both")
+    extra = {k: v for k, v in result.items() if k not in ("loss", "accuracy")}
+    return count, float(result["loss"]), float(result["accuracy"]), extra
 
 
 def make_client_app(task_factory: TaskFactory, resolve_spec: SpecResolver) -> ClientApp:

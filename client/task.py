@@ -12,14 +12,15 @@ from client.training import TrainConfig
 
 ATTACKER_METRIC = "attacker"  # reply metric: 1 when this client is a simulated attacker
 
-# A task's own loops: (module, partition id, seed) -> (examples, metrics) for training,
-# (module, partition id) -> (examples, metrics) for evaluation.
+# A task's own loops: (module, partition id, seed) -> (examples, metrics) for training on
+# the partition, (module, partition id) -> (examples, metrics) for evaluation on the
+# client's held-out split ((0, {}) when it has none).
 LocalTrain = Callable[[torch.nn.Module, int, int], tuple[int, dict[str, float]]]
 LocalEvaluate = Callable[[torch.nn.Module, int], tuple[int, dict[str, float]]]
 
 
 class ClientTask(Protocol):
-    """A model factory, the client's partition and its training settings."""
+    """A model factory, the client's training data and held-out split, its settings."""
 
     train_config: TrainConfig
     seed: int
@@ -32,7 +33,13 @@ class ClientTask(Protocol):
         ...
 
     def partition(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (inputs, labels) of one client's partition."""
+        """The (inputs, labels) one client trains on: its partition less its held-out
+        split."""
+        ...
+
+    def client_test(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The (inputs, labels) of one client's held-out split, never trained on: what
+        federated evaluation measures. None when the task holds none out."""
         ...
 
     def tamper(self, partition_id: int, delta: np.ndarray, seed: int) -> bool:

@@ -9,15 +9,18 @@ each round with the silos it picked (connected, not excluded). It
    seed and the round) and its Metropolis–Hastings weights (``aggregation.gossip``);
 2. sends every silo one ``train.gossip`` message: its place in the round's group (the
    run's rendezvous store, a prefix per round), its neighbours and their weights, its
-   own weight, the held-out fraction, and the last completed round it took part in; the
-   server's initial model goes only into a silo's first message;
+   own weight and the last completed round it took part in; the server's initial model
+   goes only into a silo's first message;
 3. waits for the replies as for a ring (``CrossSiloRounds.collect_ring``) and judges them
    as a ring's (``judge_failures``): silent or failing silos are blamed and excluded from
    later rounds, and every silo's digest of the group's consensus sum must agree.
 
 A reply holds metrics only: the mixed model's accuracy and loss on the silo's held-out
-split, the consensus distance (measured by the silos in their group), the bytes the
-silo sent. The round's ``accuracy`` and ``loss`` are the means over its silos. There is
+split (``[data] client_test_fraction``), the consensus distance (measured by the silos
+in their group), the bytes the silo sent. The round's ``accuracy`` and ``loss`` are the
+means over its silos, and each silo's figures are its evaluation record
+(``RoundResult.evaluations``: accepted; a silo dropped or rejected from the round, or
+one without figures, with the reason), as a federated evaluation round records. There is
 no aggregate: the run loop applies nothing and evaluates no central model
 (``central_model = False``). A failed round leaves every silo's model as it was: a silo
 adopts the model it mixed only once a later message says that round completed.
@@ -26,15 +29,18 @@ adopts the model it mixed only once a later message says that round completed.
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import Message, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
 
 from aggregation.gossip import metropolis_hastings, topology
+from client.protocol.errors import WireError
+from client.protocol.evaluation import EvalKey, read_evaluation
 from client.protocol.gossip import GOSSIP_ACTION, GossipKey, GossipMetric
-from client.protocol.keys import RecordName
+from client.protocol.keys import MetricKey, RecordName
 from client.protocol.ring import RingRecord, RingStatus
 from server.cross_silo import CrossSiloRounds, blame_dissent, judge_failures
 from server.cross_silo_config import GossipConfig
 from server.rounds import RoundResult, mean_loss
+from server.store import EvalRecord, UpdateRecord
 
 
 class GossipRing:
@@ -65,7 +71,6 @@ class GossipRing:
             ring[GossipKey.NEIGHBOURS] = neighbours[rank]
             ring[GossipKey.WEIGHTS] = [float(w[rank, j]) for j in neighbours[rank]]
             ring[GossipKey.SELF_WEIGHT] = float(w[rank, rank])
-            ring[GossipKey.HOLDOUT] = float(self.config.holdout_fraction)
             ring[GossipKey.COMMIT_ROUND] = self.last_completed.get(node, 0)
             content = RecordDict({RecordName.CONFIG: config, RingRecord.SPEC: ring})
             if node not in self.seeded and model is not None:
@@ -101,10 +106,12 @@ class GossipRing:
             metrics["ring_s"] = max((s.ring_s for s in ok), default=0.0)
         metrics.update(mean_loss([(s.metrics["train_loss"], s.num_examples or 0)
                                   for s in ok if "train_loss" in s.metrics]))
+        records = outcome.records(ctx.state.version)
         return RoundResult(aggregate=None,
                            status="completed" if outcome.completed else "failed",
-                           records=outcome.records(ctx.state.version), num_sampled=len(order),
+                           records=records, num_sampled=len(order),
                            num_replies=len(replies), metrics=metrics,
+                           evaluations=[silo_evaluation(r) for r in records],
                            note=f"gossip round failed: {outcome.failure}; every silo keeps "
                                 "the model it had")
 
@@ -127,3 +134,26 @@ def round_metrics(silos: list[dict[str, float]]) -> dict[str, float]:
     for key in (GossipMetric.BYTES, GossipMetric.MEASURE_BYTES):
         out[key] = float(sum(m.get(key, 0.0) for m in silos))
     return out
+
+
+def silo_evaluation(update: UpdateRecord) -> EvalRecord:
+    """A silo's evaluation record from its update's: an accepted silo's figures for its
+    mixed model on its held-out split (rejected, with the reason, when they are missing or
+    malformed); a dropped or rejected silo with the update's reason (its mixed model is
+    not kept)."""
+    if update.fate != "accepted":
+        return EvalRecord(update.client_id, update.fate, reason=update.reason)
+    m = update.metrics or {}
+    if GossipMetric.ACCURACY not in m:
+        return EvalRecord(update.client_id, "rejected",
+                          reason="the silo reported no held-out figures (no held-out split: "
+                                 "set data.client_test_fraction > 0)")
+    figures = {EvalKey.ACCURACY: m[GossipMetric.ACCURACY],
+               EvalKey.LOSS: m.get(GossipMetric.LOSS, float("nan")),
+               MetricKey.NUM_EXAMPLES: m.get(GossipMetric.HELDOUT, 0)}
+    try:
+        ev = read_evaluation(MetricRecord(figures))
+    except (WireError, TypeError, ValueError) as exc:
+        return EvalRecord(update.client_id, "rejected", reason=f"held-out figures: {exc}")
+    return EvalRecord(update.client_id, "accepted", num_examples=ev.num_examples,
+                      loss=ev.loss, accuracy=ev.accuracy)

@@ -4,13 +4,18 @@ The module gives the model and the data; fedring does the rest::
 
     def build_model() -> torch.nn.Module                       # called with the run seed set
     def load_partition(partition_id: int, num_partitions: int) -> torch.utils.data.Dataset
+    def load_client_test(partition_id: int, num_partitions: int) -> torch.utils.data.Dataset
+                                                    # optional: the client's held-out split
     def load_test() -> torch.utils.data.Dataset                # optional: central evaluation
     def train(model, loader, config) -> dict[str, float]       # optional: own training loop
     def evaluate(model, loader) -> dict[str, float]            # optional: "loss", "accuracy"
 
 Without ``train``/``evaluate`` a partition (and the test set) is materialised once into
 an (inputs, labels) tensor pair, so fedring's in-memory loop (cross-entropy) trains it;
-with them, the module's loop runs over a ``DataLoader`` of ``train.batch_size``. The
+with them, the module's loop runs over a ``DataLoader`` of ``train.batch_size``. A
+client's held-out split (federated evaluation; never trained on) is ``load_client_test``
+or, without it, ``[task] client_test_fraction`` of the partition (a split seeded by the
+run seed and the partition id; 0, the default: none), the rest being trained on. The
 server and every client build :class:`ModuleTask` from the same JSON-able spec, so the
 module must load the same way wherever the spec goes (see :func:`resolve_module_ref`).
 """
@@ -32,16 +37,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from aggregation import Layout
 from client.flat_model import FlatModel
 from client.training import TrainConfig, check_model, evaluate
 from privacy.dp import DPConfig
 from simulations.attacks import Attack
+from simulations.partitioners import client_test_split
 
 REQUIRED = ("build_model", "load_partition")
-OPTIONAL = ("load_test", "train", "evaluate")
+OPTIONAL = ("load_client_test", "load_test", "train", "evaluate")
 RESERVED_METRICS = ("num-examples", "attacker")  # keys fedring's replies own
 EVAL_BATCH = 1024
 
@@ -121,8 +127,12 @@ def dataset_tensors(ds: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     data that does not fit). Floating inputs become float32, labels int64.
     """
     tensors = getattr(ds, "tensors", None)
+    base = getattr(ds.dataset, "tensors", None) if isinstance(ds, Subset) else None
     if isinstance(tensors, tuple) and len(tensors) == 2:
         x, y = tensors
+    elif isinstance(base, tuple) and len(base) == 2:  # a split of a TensorDataset
+        idx = torch.as_tensor(list(ds.indices), dtype=torch.int64)
+        x, y = base[0][idx], base[1][idx]
     else:
         items = [ds[i] for i in range(len(ds))]
         if not items:
@@ -190,6 +200,7 @@ class ModuleTask:
             raise ValueError(f"task spec lacks {missing}")
         self.spec = dict(spec)
         self.ref = str(spec["task"]["module"])
+        self.client_test_fraction = float(spec["task"].get("client_test_fraction", 0.0))
         self.module = load_task_module(self.ref)
         self.seed = int(spec["seed"])
         self.clients = int(spec["clients"])
@@ -201,7 +212,7 @@ class ModuleTask:
         own_eval = getattr(self.module, "evaluate", None)
         self.trainer = self._train_with_module if own_train is not None else None
         self.evaluator = self._evaluate_with_module if own_eval is not None else None
-        self._datasets: dict[int, Any] = {}
+        self._datasets: dict[int, tuple[Any, Any]] = {}  # pid -> (training, held-out)
         self._test: Any = None
         self._test_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
         self._eval_model: FlatModel | None = None
@@ -223,21 +234,44 @@ class ModuleTask:
                                   f"{type(model).__name__}, expected a torch.nn.Module")
         return model
 
-    def load_partition(self, partition_id: int, num_partitions: int) -> Any:
-        """Client ``partition_id``'s dataset, as the module gives it (cached)."""
+    def _parts(self, partition_id: int, num_partitions: int) -> tuple[Any, Any]:
+        """Client ``partition_id``'s (training, held-out) datasets (held-out: None when it
+        has none): ``load_client_test`` when the module gives it, else the partition split
+        by ``client_test_fraction`` (cached for the module's own loops)."""
         if not 0 <= partition_id < num_partitions:
             raise ValueError(f"partition-id {partition_id} is out of range: the run has "
                              f"{num_partitions} clients (0..{num_partitions - 1})")
         if partition_id in self._datasets:
             return self._datasets[partition_id]
-        ds = self.module.load_partition(partition_id, num_partitions)
-        if not _is_dataset(ds):
-            raise TaskModuleError(f"{self._name('load_partition')} returned "
-                                  f"{type(ds).__name__} for partition {partition_id}, "
-                                  "expected a torch.utils.data.Dataset")
+        ds = self._dataset("load_partition", partition_id, num_partitions)
+        held: Any = None
+        if hasattr(self.module, "load_client_test"):
+            held = self._dataset("load_client_test", partition_id, num_partitions)
+        elif self.client_test_fraction > 0:
+            train_idx, held_idx = client_test_split(len(ds), self.client_test_fraction,
+                                                    self.seed, partition_id)
+            if len(held_idx):
+                ds, held = Subset(ds, train_idx.tolist()), Subset(ds, held_idx.tolist())
         if self.trainer is not None or self.evaluator is not None:  # the loops' loaders
-            self._datasets[partition_id] = ds  # (else the client keeps the tensors)
+            self._datasets[partition_id] = (ds, held)  # (else the client keeps the tensors)
+        return ds, held
+
+    def _dataset(self, fn: str, partition_id: int, num_partitions: int) -> Any:
+        ds = getattr(self.module, fn)(partition_id, num_partitions)
+        if not _is_dataset(ds):
+            raise TaskModuleError(f"{self._name(fn)} returned {type(ds).__name__} for "
+                                  f"partition {partition_id}, expected a "
+                                  "torch.utils.data.Dataset")
         return ds
+
+    def load_partition(self, partition_id: int, num_partitions: int) -> Any:
+        """Client ``partition_id``'s training dataset: the module's partition, less its
+        held-out split when ``client_test_fraction`` takes one."""
+        return self._parts(partition_id, num_partitions)[0]
+
+    def load_client_test(self, partition_id: int, num_partitions: int) -> Any | None:
+        """Client ``partition_id``'s held-out dataset, or None when it has none."""
+        return self._parts(partition_id, num_partitions)[1]
 
     def load_test(self) -> Any | None:
         """The module's held-out dataset, or None without ``load_test``."""
@@ -257,6 +291,16 @@ class ModuleTask:
         return dataset_tensors(self.load_partition(partition_id, self.clients),
                                f"{self._name('load_partition')} partition {partition_id}")
 
+    def client_test(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Client ``partition_id``'s held-out split as tensors (None when it has none)."""
+        held = self.load_client_test(partition_id, self.clients)
+        if held is None or len(held) == 0:
+            return None
+        source = "load_client_test" if hasattr(self.module, "load_client_test") \
+            else "load_partition"
+        return dataset_tensors(held, f"{self._name(source)} held-out split of partition "
+                                     f"{partition_id}")
+
     def tamper(self, partition_id: int, delta: np.ndarray, seed: int) -> bool:
         return self.attack is not None and self.attack.tamper(partition_id, delta, seed)
 
@@ -274,7 +318,10 @@ class ModuleTask:
 
     def _evaluate_with_module(self, module: torch.nn.Module,
                               partition_id: int) -> tuple[int, dict[str, float]]:
-        ds = self.load_partition(partition_id, self.clients)
+        """The module's ``evaluate`` on the client's held-out split; (0, {}) without one."""
+        ds = self.load_client_test(partition_id, self.clients)
+        if ds is None or len(ds) == 0:
+            return 0, {}
         return len(ds), self._module_evaluate(module, ds)
 
     def _module_evaluate(self, module: torch.nn.Module, ds: Any) -> dict[str, float]:
@@ -333,6 +380,15 @@ class ModuleTask:
                                       "it: set it to 0 (or add the term in your train())")
         if self.evaluator is not None and not _takes(self.module.evaluate, 2):
             raise TaskModuleError(f"{self._name('evaluate')} must take (model, loader)")
+        own_test = hasattr(self.module, "load_client_test")
+        if own_test and not _takes(self.module.load_client_test, 2):
+            raise TaskModuleError(f"{self._name('load_client_test')} must take "
+                                  "(partition_id, num_partitions)")
+        if own_test and self.client_test_fraction > 0:
+            raise TaskModuleError(f"{self._name('load_client_test')} gives each client's "
+                                  "held-out split, and task.client_test_fraction would split "
+                                  "the partition too: set task.client_test_fraction = 0, or "
+                                  "remove load_client_test() from the module")
         driver = dict((config or {}).get("driver") or {})
         if own_train and driver.get("kind") == "cross_silo":
             raise TaskModuleError(f"silos train with fedring's data-parallel loop, which "
@@ -346,6 +402,8 @@ class ModuleTask:
         self.load_partition(0, self.clients)
         if not own_train or self.evaluator is None:  # fedring's loops read tensors
             self.partition(0)
+        if self.evaluator is None:
+            self.client_test(0)
         if self.load_test() is not None:
             metrics = self.evaluate(params)
             if driver.get("target_accuracy", 0) and "accuracy" not in metrics:

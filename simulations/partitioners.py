@@ -24,7 +24,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["DIRICHLET_MAX_TRIES", "partition", "partitioner_names"]
+__all__ = ["DIRICHLET_MAX_TRIES", "client_test_split", "partition", "partitioner_names"]
 
 DIRICHLET_MAX_TRIES = 1000
 
@@ -34,6 +34,20 @@ _KINDS = ("dirichlet", "iid", "natural", "shards")
 def partitioner_names() -> list[str]:
     """Kinds accepted by :func:`partition`, sorted."""
     return list(_KINDS)
+
+
+def client_test_split(n: int, fraction: float, seed: int, partition_id: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) positions in a client's partition of ``n`` examples: a seeded
+    permutation (run seed, partition id), the first ``round(fraction * n)`` held out for
+    federated evaluation and never trained on. With ``fraction`` > 0 a partition of
+    ``n >= 2`` holds out at least one example and keeps at least one to train on; a single
+    example is never held out. Both arrays are sorted."""
+    if fraction <= 0 or n < 2:
+        return np.arange(n, dtype=np.int64), np.empty(0, dtype=np.int64)
+    perm = np.random.default_rng([seed, partition_id, 0x6055]).permutation(n)
+    held = min(max(round(fraction * n), 1), n - 1)
+    return np.sort(perm[held:]), np.sort(perm[:held])
 
 
 def _is_int(value: object) -> bool:

@@ -22,11 +22,13 @@ from client.training import TrainConfig, check_model, evaluate
 from privacy.dp import DPConfig
 from simulations.attacks import Attack, AttackConfig
 from simulations.datasets import Dataset, load_dataset
+from simulations.feature_shift import distort
 from simulations.models import build_model
-from simulations.partitioners import partition
+from simulations.partitioners import client_test_split, partition
 
 SPEC_KEYS = ("seed", "clients", "data", "model", "train")
 OPTIONAL_SPEC_KEYS = ("dp", "attack")
+CLIENT_TEST_FRACTION = 0.2  # [data] client_test_fraction when a spec does not say
 
 
 def task_spec(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,7 +39,8 @@ def task_spec(config: Mapping[str, Any]) -> dict[str, Any]:
             "train": config["train"], "dp": config.get("dp", {})}
     module = (config.get("task") or {}).get("module")
     if module:
-        spec["task"] = {"module": module}
+        spec["task"] = {"module": module, "client_test_fraction":
+                        float(config["task"].get("client_test_fraction", 0.0))}
     else:
         spec.update(data=config["data"], model=config["model"])
     if AttackConfig(**config.get("attack", {})).enabled:
@@ -61,11 +64,21 @@ def _partitions(data_json: str, seed: int, clients: int) -> tuple[np.ndarray, ..
                            min_size=data["min_size"], groups=ds.groups))
 
 
+@lru_cache(maxsize=4)
+def _input_scale(data_json: str, seed: int) -> float:
+    """The training inputs' standard deviation: the unit of a feature shift's brightness."""
+    return float(np.std(_dataset(data_json, seed).x_train, dtype=np.float64))
+
+
 class ScenarioTask:
     """A built-in scenario's task, built from :func:`task_spec` (a JSON-able dict).
 
     It has the shape of a user's task module (``build_model``, ``load_partition``,
-    ``load_test``; see ``simulations.module_task``) and trains with fedring's own loops.
+    ``load_client_test``, ``load_test``; see ``simulations.module_task``) and trains with
+    fedring's own loops. ``[data] client_test_fraction`` of each partition (a split seeded
+    by the run seed and the partition id) is the client's held-out split, never trained
+    on; ``[data] feature_shift`` > 0 shows each client its inputs, training and held-out
+    alike, through its own affine distortion (``simulations.feature_shift``).
     """
 
     trainer = None  # fedring's training loop on partition(); no task-specific one
@@ -80,6 +93,9 @@ class ScenarioTask:
         self.clients = int(spec["clients"])
         self.train_config = TrainConfig(**spec["train"])
         self._data_json = json.dumps(spec["data"], sort_keys=True)
+        self.client_test_fraction = float(spec["data"].get("client_test_fraction",
+                                                           CLIENT_TEST_FRACTION))
+        self.feature_shift = float(spec["data"].get("feature_shift", 0.0))
         model = dict(spec["model"])
         self._model_kind = model.pop("kind")
         self._model_params = model
@@ -106,22 +122,56 @@ class ScenarioTask:
         return build_model(self._model_kind, input_shape=ds.input_shape,
                            num_classes=ds.num_classes, **self._model_params)
 
-    def partition(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Client ``partition_id``'s (training, held-out) indices into the training set."""
         if not 0 <= partition_id < self.clients:
             raise ValueError(f"partition-id {partition_id} is out of range: the scenario has "
                              f"{self.clients} clients (0..{self.clients - 1})")
         idx = self.partitions()[partition_id]
+        train, held = client_test_split(len(idx), self.client_test_fraction, self.seed,
+                                        partition_id)
+        return idx[train], idx[held]
+
+    def _inputs(self, partition_id: int, idx: np.ndarray) -> torch.Tensor:
+        """The inputs at ``idx`` as client ``partition_id`` sees them (its feature shift)."""
+        x = self.dataset.x_train[idx]
+        if self.feature_shift > 0:
+            x = distort(x, strength=self.feature_shift, seed=self.seed,
+                        partition_id=partition_id,
+                        scale=_input_scale(self._data_json, self.seed))
+        return torch.from_numpy(x)
+
+    def partition(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (inputs, labels) client ``partition_id`` trains on: its partition less its
+        held-out split."""
+        idx, _ = self._split(partition_id)
         ds = self.dataset
-        x, y = torch.from_numpy(ds.x_train[idx]), torch.from_numpy(ds.y_train[idx])
+        x, y = self._inputs(partition_id, idx), torch.from_numpy(ds.y_train[idx])
         if self.attack is not None:
             y = self.attack.labels(partition_id, y, ds.num_classes)
         return x, y
 
+    def client_test(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Client ``partition_id``'s held-out split (None when it has none)."""
+        _, held = self._split(partition_id)
+        if not len(held):
+            return None
+        return self._inputs(partition_id, held), torch.from_numpy(self.dataset.y_train[held])
+
     def load_partition(self, partition_id: int, num_partitions: int) -> TensorDataset:
         """Client ``partition_id``'s training data, as a task module gives it."""
+        self._check_count(num_partitions)
+        return TensorDataset(*self.partition(partition_id))
+
+    def load_client_test(self, partition_id: int, num_partitions: int) -> TensorDataset | None:
+        """Client ``partition_id``'s held-out split, as a task module gives it."""
+        self._check_count(num_partitions)
+        held = self.client_test(partition_id)
+        return None if held is None else TensorDataset(*held)
+
+    def _check_count(self, num_partitions: int) -> None:
         if num_partitions != self.clients:
             raise ValueError(f"the scenario has {self.clients} partitions, not {num_partitions}")
-        return TensorDataset(*self.partition(partition_id))
 
     def load_test(self) -> TensorDataset:
         """The held-out data central evaluation uses."""
@@ -152,4 +202,9 @@ class ScenarioTask:
         """Fail at start if the data cannot be loaded or split, the model not built, or
         local training cannot train it (DP-SGD with batch norm)."""
         self.partitions()
+        if self.feature_shift > 0 and not np.issubdtype(self.dataset.x_train.dtype,
+                                                        np.floating):
+            raise ValueError(f"data.feature_shift distorts real-valued inputs, but dataset "
+                             f"'{self.dataset.name}' has {self.dataset.x_train.dtype} inputs: "
+                             "set data.feature_shift = 0")
         check_model(self.build_model(), self.train_config)

@@ -3,9 +3,9 @@
 A gossip message is a cross-silo message (``client.protocol.ring``: the train config and
 the ``RingRecord.SPEC`` record with the silo's rank in the round's group and the
 rendezvous) whose ring record also holds the :class:`GossipKey` entries: the silo's
-neighbours (group ranks), their mixing weights and its own, the held-out fraction and
-the last completed round the silo took part in (``commit_round``: a silo adopts the
-model it mixed in that round, else keeps the one it had). The ``arrays`` record (the
+neighbours (group ranks), their mixing weights and its own, and the last completed
+round the silo took part in (``commit_round``: a silo adopts the model it mixed in that
+round, else keeps the one it had). The ``arrays`` record (the
 server's initial model) comes only in a silo's first gossip message. The reply holds no
 model: its ``RingRecord.RESULT`` (status, digest of the group's consensus sum, or the
 failure) and metrics (:class:`GossipMetric`).
@@ -30,14 +30,14 @@ class GossipKey(Names):
     NEIGHBOURS = "gossip.neighbours"  # group ranks of this silo's neighbours
     WEIGHTS = "gossip.weights"  # W_ij for each neighbour, in that order
     SELF_WEIGHT = "gossip.self-weight"  # W_ii
-    HOLDOUT = "gossip.holdout"  # fraction of the partition held out for evaluation
     COMMIT_ROUND = "gossip.commit-round"  # the last completed round this silo was in (0: none)
 
 
 class GossipMetric(Names):
     """Metrics of a gossip reply (besides num-examples and train_loss)."""
 
-    ACCURACY = "heldout_acc"  # the mixed model on the silo's held-out split
+    ACCURACY = "heldout_acc"  # the mixed model on the task's held-out split (absent
+    # when the task holds none out)
     LOSS = "heldout_loss"
     HELDOUT = "heldout_examples"
     DISTANCE = "consensus_distance"  # (1/n) sum_i ||x_i - mean||^2 over the round's silos
@@ -54,14 +54,13 @@ class GossipSpec:
     neighbours: tuple[int, ...]
     weights: tuple[float, ...]
     self_weight: float
-    holdout: float
     commit_round: int
 
     @classmethod
     def of(cls, ring: ConfigRecord, rank: int, size: int) -> GossipSpec:
         """The gossip entries of a ring record, checked (a WireError names what is wrong)."""
         nbrs, weights = ring.get(GossipKey.NEIGHBOURS), ring.get(GossipKey.WEIGHTS)
-        own, holdout = ring.get(GossipKey.SELF_WEIGHT), ring.get(GossipKey.HOLDOUT)
+        own = ring.get(GossipKey.SELF_WEIGHT)
         commit = ring.get(GossipKey.COMMIT_ROUND, 0)
         if not isinstance(nbrs, list) or any(isinstance(v, bool) or not isinstance(v, int)
                                              for v in nbrs):
@@ -71,8 +70,6 @@ class GossipSpec:
             raise WireError(f"'{GossipKey.WEIGHTS}' must hold one number per neighbour")
         if isinstance(own, bool) or not isinstance(own, int | float):
             raise WireError(f"'{GossipKey.SELF_WEIGHT}' must be a number")
-        if isinstance(holdout, bool) or not isinstance(holdout, float) or not 0 < holdout < 1:
-            raise WireError(f"'{GossipKey.HOLDOUT}' must be a fraction in (0, 1)")
         if isinstance(commit, bool) or not isinstance(commit, int):
             raise WireError(f"'{GossipKey.COMMIT_ROUND}' must be a round number")
         if len(set(nbrs)) != len(nbrs) or any(not 0 <= j < size or j == rank for j in nbrs):
@@ -83,4 +80,4 @@ class GossipSpec:
             raise WireError(f"mixing weights {weights} and {own} must be >= 0 and sum to 1")
         return cls(rank=rank, size=size, neighbours=tuple(nbrs),
                    weights=tuple(float(w) for w in weights), self_weight=float(own),
-                   holdout=holdout, commit_round=commit)
+                   commit_round=commit)

@@ -14,8 +14,10 @@ A silo answers the same messages as any fedring client, and one more:
   digest of the masked sum; ring rank 0 adds the masked sum itself.
 - ``train.gossip`` (gossip rounds, ``client.silo.gossip``): train the silo's own model
   (the server's initial model in its first round), mix it with its neighbours' in the
-  round's group, evaluate the mixed model on its held-out split; reply with metrics only.
-- ``evaluate`` and the secure-aggregation stages, as fedring's ClientApp.
+  round's group, evaluate the mixed model on the task's held-out split; reply with
+  metrics only.
+- ``evaluate`` (federated evaluation, on the task's held-out split, with the silo's own
+  model too under FedBN) and the secure-aggregation stages, as fedring's ClientApp.
 
 Each (task, node) has its own model and data, so several silos can live in one process
 (the in-process engine runs them on threads).
@@ -36,10 +38,19 @@ from flwr.clientapp import ClientApp
 
 from aggregation.ring import RingError, RingTimeout
 from client import local_state
-from client.app import FedringClient, LocalUpdate, noise_rng, record_of, training_seed
+from client.app import (
+    FedringClient,
+    LocalUpdate,
+    measure,
+    no_held_out_split,
+    noise_rng,
+    record_of,
+    training_seed,
+)
 from client.dp_sgd import dp_sgd_round
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
+from client.protocol.evaluation import ClientEvaluation
 from client.protocol.gossip import GOSSIP_ACTION, GossipMetric, GossipSpec
 from client.protocol.keys import ConfigKey, MetricKey, RecordName
 from client.protocol.ring import (
@@ -55,7 +66,7 @@ from client.protocol.secagg import SecAggKey, SecAggRecord
 from client.protocol.train import read_dp_sgd_prior_rounds
 from client.protocol.updates import delta_record, flatten_model, model_views
 from client.secure_client import SecureClient, register_secagg
-from client.silo.gossip import HeldModel, holdout_split, mix
+from client.silo.gossip import HeldModel, mix
 from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
 from client.training import evaluate, train
@@ -73,8 +84,8 @@ class SiloWorker:
     device: torch.device
     delta: np.ndarray
     data: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    splits: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict)  # (pid, held-out fraction) -> (train, held-out) indices
+    tests: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = field(
+        default_factory=dict)  # held-out splits, on the device
 
     @classmethod
     def build(cls, task: ClientTask, device: torch.device) -> SiloWorker:
@@ -83,33 +94,19 @@ class SiloWorker:
                    delta=np.empty(model.dim, dtype=np.float32))
 
     def partition(self, pid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the silo trains on: the task's partition less its held-out split."""
         if pid not in self.data:
             x, y = self.task.partition(pid)
             self.data[pid] = (x.to(self.device), y.to(self.device))
         return self.data[pid]
 
-    def training_data(self, pid: int, holdout: float = 0.0
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The partition, less its held-out split when ``holdout`` > 0."""
-        x, y = self.partition(pid)
-        if holdout <= 0:
-            return x, y
-        train_idx, _ = self._split(pid, holdout, len(x))
-        return x[train_idx], y[train_idx]
-
-    def held_out(self, pid: int, holdout: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The partition's held-out split (``client.silo.gossip.holdout_split``)."""
-        x, y = self.partition(pid)
-        _, held = self._split(pid, holdout, len(x))
-        return x[held], y[held]
-
-    def _split(self, pid: int, holdout: float, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The partition's (train, held-out) indices on the device, drawn once."""
-        if (pid, holdout) not in self.splits:
-            train_idx, held = holdout_split(n, holdout, self.task.seed, pid)
-            self.splits[pid, holdout] = (torch.from_numpy(train_idx).to(self.device),
-                                         torch.from_numpy(held).to(self.device))
-        return self.splits[pid, holdout]
+    def held_out(self, pid: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The task's held-out split of the partition (None when it holds none out)."""
+        if pid not in self.tests:
+            held = self.task.client_test(pid)
+            self.tests[pid] = None if held is None or len(held[1]) == 0 else (
+                held[0].to(self.device), held[1].to(self.device))
+        return self.tests[pid]
 
     def to_module(self) -> None:
         """Copy the host vector into the training module (a no-op on the CPU)."""
@@ -144,8 +141,7 @@ class Group(Protocol):
 
     size: int
 
-    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
-              holdout: float = 0.0) -> float: ...
+    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int) -> float: ...
 
 
 def update_problem(delta: np.ndarray, max_norm: float) -> tuple[str | None, float]:
@@ -180,10 +176,10 @@ class SiloClient(FedringClient):
                                                  sort_keys=True)
         return self._specs[run_config]
 
-    def local_update(self, msg: Message, context: Context, *, start: np.ndarray | None = None,
-                     holdout: float = 0.0) -> LocalUpdate:
+    def local_update(self, msg: Message, context: Context, *,
+                     start: np.ndarray | None = None) -> LocalUpdate:
         """Load the sent model (or ``start``, the silo's own), train on the silo's partition
-        (less the held-out split when ``holdout`` > 0); the delta and its metrics."""
+        (less its held-out split); the delta and its metrics."""
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         key = self._task_key(config, context)
         worker = self.workers.get(key, context.node_id)
@@ -191,7 +187,7 @@ class SiloClient(FedringClient):
             raise WireError("a silo trains with fedring's data-parallel loop, which cannot run "
                             "the task module's own train(): remove train() from the module")
         pid = self._partition_id(context)
-        x, y = worker.training_data(pid, holdout)
+        x, y = worker.partition(pid)
         model, cfg = worker.model, worker.task.train_config
         if start is None:
             base = model_views(record_of(msg.content, ArrayRecord, RecordName.ARRAYS),
@@ -212,7 +208,7 @@ class SiloClient(FedringClient):
         seed = training_seed(worker.task.seed, int(config.get(ConfigKey.SERVER_ROUND, 0)), pid)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
         if self.group is not None and self.group.size > 1:
-            loss = self.group.train(worker, key, pid, seed, holdout)
+            loss = self.group.train(worker, key, pid, seed)
         elif cfg.dp_sgd:  # composed with this silo's earlier rounds
             loss, figures = dp_sgd_round(worker.module, x, y, cfg, context.state,
                                          read_dp_sgd_prior_rounds(config))
@@ -282,14 +278,14 @@ class SiloClient(FedringClient):
         rnd = int(config.get(ConfigKey.SERVER_ROUND, 0))
         held = HeldModel(context.state)
         if isinstance(msg.content.get(RecordName.ARRAYS), ArrayRecord):  # the first round
-            update = self.local_update(msg, context, holdout=plan.holdout)
+            update = self.local_update(msg, context)
             held.start(plan.commit_round, update.base_flat)
         else:
             try:
                 start = held.start(plan.commit_round, None)
             except ValueError as exc:
                 raise WireError(str(exc)) from None
-            update = self.local_update(msg, context, start=start, holdout=plan.holdout)
+            update = self.local_update(msg, context, start=start)
         metrics = update.metrics
         result = ConfigRecord({RingKey.STATUS: RingStatus.OK, RingKey.RING_RANK: spec.rank})
         device = self.workers.device
@@ -303,15 +299,31 @@ class SiloClient(FedringClient):
         worker = self.workers.get(self._task_key(config, context), context.node_id)
         np.copyto(worker.model.flat_np, out.mixed)
         worker.to_module()
-        x, y = worker.held_out(update.partition_id, plan.holdout)
-        loss, acc = evaluate(worker.module, x, y)
-        metrics.update({GossipMetric.ACCURACY: acc, GossipMetric.LOSS: loss,
-                        GossipMetric.HELDOUT: len(x), GossipMetric.DISTANCE: out.distance,
-                        GossipMetric.BYTES: out.bytes_sent,
+        held = worker.held_out(update.partition_id)
+        if held is not None:  # (none: the server records why there are no figures)
+            loss, acc = evaluate(worker.module, *held)
+            worker.module.train()
+            metrics.update({GossipMetric.ACCURACY: acc, GossipMetric.LOSS: loss,
+                            GossipMetric.HELDOUT: len(held[1])})
+        metrics.update({GossipMetric.DISTANCE: out.distance, GossipMetric.BYTES: out.bytes_sent,
                         GossipMetric.MEASURE_BYTES: out.measure_bytes})
         result.update({RingKey.DIGEST: out.digest, RingKey.RING_S: out.seconds})
         return Message(RecordDict({RecordName.METRICS: metrics, RingRecord.RESULT: result}),
                        reply_to=msg)
+
+    def _evaluation(self, msg: Message, context: Context
+                    ) -> tuple[ClientEvaluation, dict[str, float]]:
+        """Federated evaluation as fedring's ClientApp does it, on this silo's model."""
+        config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
+        worker = self.workers.get(self._task_key(config, context), context.node_id)
+        pid = self._partition_id(context)
+        record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
+        evaluator = getattr(worker.task, "evaluator", None)
+        held = worker.held_out(pid) if evaluator is None else None
+        if evaluator is None and held is None:
+            raise no_held_out_split(pid)
+        return measure(evaluator, worker.model, record, pid, held, context,
+                       fedbn=config.get(ConfigKey.LOCAL_BUFFERS) is True)
 
     def _check_backend(self, spec: RingSpec) -> None:
         device = self.workers.device

@@ -1,5 +1,5 @@
 """A silo's side of a gossip round: its own model across rounds, the exchange with its
-neighbours, the consensus distance, and its held-out split.
+neighbours and the consensus distance.
 
 In the round's ring process (``client.silo.ring.run_ring``, whose default process group is
 the round's group) the silo sends its flattened model to each neighbour and receives
@@ -34,16 +34,6 @@ from client.silo.ring import run_ring
 
 GOSSIP_STATE = "fedring.gossip"  # Context.state: ArrayRecord of this silo's models
 GOSSIP_ROUND = "fedring.gossip-round"  # Context.state: ConfigRecord, the pending round
-
-
-def holdout_split(n: int, fraction: float, seed: int, partition_id: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(train, held-out) indices of a partition of ``n`` examples: a seeded permutation
-    (run seed, partition id), the first ``round(fraction * n)`` held out (at least one
-    when n >= 2, and at least one left to train on)."""
-    perm = np.random.default_rng([seed, partition_id, 0x6055]).permutation(n)
-    held = min(max(round(fraction * n), 1 if n >= 2 else 0), max(n - 1, 0))
-    return np.sort(perm[held:]), np.sort(perm[:held])
 
 
 @dataclass(frozen=True)

@@ -78,14 +78,12 @@ class SiloGroup:
             time.sleep(self.poll_s)
         return json.loads(self.store.get(key))
 
-    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
-              holdout: float = 0.0) -> float:
+    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int) -> float:
         """Leader: train ``worker``'s module with every rank of the silo (DDP), on the
-        partition less its held-out split when ``holdout`` > 0."""
+        partition less its held-out split."""
         check_silo_training(worker.task.train_config)  # before any follower starts
-        self.publish({"op": "train", "task": task_key, "partition": pid, "seed": seed,
-                      "holdout": holdout})
-        x, y = worker.training_data(pid, holdout)
+        self.publish({"op": "train", "task": task_key, "partition": pid, "seed": seed})
+        x, y = worker.partition(pid)
         return train_ddp(worker.module, x, y, worker.task.train_config, seed=seed)
 
     def stop(self) -> None:
@@ -101,7 +99,7 @@ def follow(group: SiloGroup, workers: WorkerCache) -> int:
         if cmd.get("op") == "stop":
             return done
         worker = workers.get(cmd["task"])
-        x, y = worker.training_data(int(cmd["partition"]), float(cmd.get("holdout", 0.0)))
+        x, y = worker.partition(int(cmd["partition"]))
         train_ddp(worker.module, x, y, worker.task.train_config, seed=int(cmd["seed"]))
         done += 1
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
+from client.training import evaluate
 from simulations.apps import client_app
 from simulations.inprocess import InProcessGrid
 from simulations.task import ScenarioTask
@@ -58,3 +60,28 @@ def test_fedring_client_under_flower_fedavg(small_config):
     assert result.train_metrics_clientapp[2]["train_loss"] < \
         result.train_metrics_clientapp[1]["train_loss"]
     assert result.evaluate_metrics_clientapp[2]["eval_acc"] > 0.7
+
+
+def test_flower_fedavgs_evaluate_messages_are_answered_on_the_held_out_split(small_config):
+    """Flower's FedAvg asks every client to evaluate the aggregated model; each fedring
+    ClientApp answers on its held-out split, and FedAvg's example-weighted mean is that of
+    the figures computed here on the splits."""
+    task = ScenarioTask.from_config(small_config)
+    model = task.build_model()
+    scenario = {"scenario": "default", "federation.clients": 5, "train.local_epochs": 1}
+    grid = InProcessGrid(client_app, 5, run_config=scenario)
+    result = FedAvg(fraction_evaluate=1.0).start(
+        grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=1,
+        train_config=ConfigRecord({}))
+    model.load_state_dict(result.arrays.to_torch_state_dict())
+    counts, losses, accs = [], [], []
+    for pid in range(5):
+        x, y = task.client_test(pid)
+        loss, acc = evaluate(model, x, y)
+        counts.append(len(y))
+        losses.append(loss)
+        accs.append(acc)
+    assert sum(counts) < sum(len(task.partitions()[pid]) for pid in range(5)) / 4
+    got = result.evaluate_metrics_clientapp[1]
+    assert got["eval_acc"] == pytest.approx(np.average(accs, weights=counts), rel=1e-6)
+    assert got["eval_loss"] == pytest.approx(np.average(losses, weights=counts), rel=1e-5)

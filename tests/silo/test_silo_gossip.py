@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from flwr.app import Context, Error, Message
 from silo_helpers import join_then_die, scenario, survivors_of_a_dead_peer
@@ -26,11 +27,12 @@ from client.app import training_seed
 from client.flat_model import FlatModel
 from client.protocol.npy import npy_view
 from client.protocol.ring import RingRecord, RingSpec
-from client.silo.gossip import GOSSIP_STATE, holdout_split, mix
+from client.silo.gossip import GOSSIP_STATE, mix
 from client.training import evaluate, train
 from server.gossip import GossipRing
 from simulations.apps import spec_from_run_config
 from simulations.config import load_scenario
+from simulations.partitioners import client_test_split
 from simulations.silo_engine import ConcurrentGrid, silo_client_app
 from simulations.task import ScenarioTask
 
@@ -164,10 +166,8 @@ def trained_alone(config: dict[str, Any], start: np.ndarray, pid: int, rnd: int)
     task = ScenarioTask.from_config(config)
     model = FlatModel(task.build_model())
     model.load(start)
-    x, y = task.partition(pid)
-    train_idx, _ = holdout_split(len(x), config["gossip"]["holdout_fraction"], task.seed, pid)
-    train(model.module, x[train_idx], y[train_idx], task.train_config,
-          seed=training_seed(task.seed, rnd, pid))
+    x, y = task.partition(pid)  # the partition less the held-out split
+    train(model.module, x, y, task.train_config, seed=training_seed(task.seed, rnd, pid))
     return model.flat_np.copy()
 
 
@@ -200,23 +200,47 @@ def test_a_gossip_round_mixes_the_silos_trained_models_and_stores_their_figures(
     assert rnd.status == "completed" and rnd.num_accepted == SILOS
     assert rnd.metrics["consensus_distance"] == pytest.approx(spread(expected), rel=1e-4)
     updates = {int(u.client_id): u for _, u in store.updates(run_id, round=1)}
-    accuracies = []
+    evaluations = {int(e.client_id): e for _, e in store.evaluations(run_id, round=1)}
+    accuracies, counts = [], []
     for rank, node in enumerate(order):
         pid = node_pid[node]
-        xs, ys = task.partition(pid)
-        _, held = holdout_split(len(xs), 0.2, task.seed, pid)
+        idx = task.partitions()[pid]  # the held-out split, built here
+        _, held = client_test_split(len(idx), 0.2, task.seed, pid)
+        xs = torch.from_numpy(task.dataset.x_train[idx[held]])
+        ys = torch.from_numpy(task.dataset.y_train[idx[held]])
         model = FlatModel(task.build_model())
         model.load(expected[rank].astype(np.float32))
-        loss, acc = evaluate(model.module, xs[held], ys[held])
+        loss, acc = evaluate(model.module, xs, ys)
         m = updates[node].metrics
         assert m["heldout_acc"] == pytest.approx(acc, abs=1e-9)
         assert m["heldout_loss"] == pytest.approx(loss, rel=1e-4)
         assert m["heldout_examples"] == len(held)
         assert m["gossip_bytes"] == 4 * initial.size * len(adjacency[rank])
+        e = evaluations[node]  # the silo's own model, as a federated evaluation record
+        assert (e.fate, e.num_examples) == ("accepted", len(held))
+        assert e.accuracy == pytest.approx(acc, abs=1e-9)
+        assert e.loss == pytest.approx(loss, rel=1e-4)
         accuracies.append(acc)
+        counts.append(len(held))
     assert rnd.metrics["accuracy"] == pytest.approx(np.mean(accuracies))
+    assert rnd.metrics["federated_accuracy"] == pytest.approx(
+        np.average(accuracies, weights=counts))
+    assert rnd.metrics["federated_accuracy_min"] == pytest.approx(min(accuracies))
     assert rnd.metrics["gossip_bytes"] == sum(u.metrics["gossip_bytes"]
                                               for u in updates.values())
+
+
+def test_silos_without_a_held_out_split_are_recorded_without_figures(run_inprocess,
+                                                                     store) -> None:
+    summary = run_inprocess(gossip_scenario(rounds=1, **{"data.client_test_fraction": 0.0}),
+                            grid=ConcurrentGrid(Recorder(), SILOS))
+    assert summary["status"] == "completed"
+    evaluations = [e for _, e in store.evaluations(summary["run_id"], round=1)]
+    assert len(evaluations) == SILOS
+    assert all(e.fate == "rejected" and "data.client_test_fraction > 0" in e.reason
+               for e in evaluations)
+    [_, rnd] = store.rounds(summary["run_id"])
+    assert rnd.num_accepted == SILOS and "heldout_acc" not in rnd.metrics
 
 
 TIMEOUTS = {"silo.join_timeout_s": 15.0, "silo.ring_timeout_s": 3.0}
@@ -249,6 +273,10 @@ def test_a_silo_that_dies_is_dropped_from_the_next_topology(run_inprocess, store
     [dead] = victim
     updates = {u.client_id: u for _, u in store.updates(run_id, round=2)}
     assert updates[str(dead)].fate == "rejected"
+    evaluations = {e.client_id: e for _, e in store.evaluations(run_id, round=2)}
+    assert evaluations[str(dead)].fate == "rejected"  # with the update's reason
+    assert evaluations[str(dead)].reason == updates[str(dead)].reason
+    assert len(evaluations) == SILOS
     assert third.metrics["gossip_silos"] == SILOS - 1 and third.num_accepted == SILOS - 1
     assert dead not in [rec.ranks[(3, r)] for r in range(SILOS - 1)]
     assert (3, SILOS - 1) not in rec.ranks
@@ -307,7 +335,8 @@ def test_a_gossip_run_cannot_be_resumed(run_inprocess, store, db_url) -> None:
     ({"federation.clients": 1, "federation.min_clients": 1}, "federation.clients"),
     ({"federation.min_clients": 1}, "federation.min_clients"),
     ({"gossip.topology": "star"}, "gossip.topology"),
-    ({"gossip.holdout_fraction": 0.0}, "gossip.holdout_fraction"),
+    ({"gossip.holdout_fraction": 0.2},
+     "gossip.holdout_fraction moved to data.client_test_fraction"),
 ])
 def test_gossip_refuses_what_needs_a_global_model(values: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -316,4 +345,5 @@ def test_gossip_refuses_what_needs_a_global_model(values: dict, key: str) -> Non
 
 def test_the_default_scenario_resolves_with_gossip_defaults() -> None:
     config = load_scenario("default", values={"driver.kind": "gossip"})
-    assert config["gossip"] == {"topology": "ring", "degree": 4, "holdout_fraction": 0.2}
+    assert config["gossip"] == {"topology": "ring", "degree": 4, "holdout_fraction": None}
+    assert config["data"]["client_test_fraction"] == 0.2

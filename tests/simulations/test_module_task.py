@@ -55,7 +55,7 @@ def test_a_module_replaces_data_and_model_and_reaches_the_clients_absolute():
     assert cfg["task"]["module"] == str(MY_TASK.resolve())
     assert "data" not in cfg and "model" not in cfg  # the default scenario's are dropped
     spec = task_spec(cfg)
-    assert spec["task"] == {"module": str(MY_TASK.resolve())}
+    assert spec["task"] == {"module": str(MY_TASK.resolve()), "client_test_fraction": 0.0}
     assert "data" not in spec and "model" not in spec
     assert isinstance(make_task(spec), ModuleTask)
     assert isinstance(make_task(task_spec(load_scenario("default", SMALL))), ScenarioTask)
@@ -72,14 +72,16 @@ def test_a_relative_path_in_a_scenario_file_is_relative_to_that_file(tmp_path):
 
 def test_an_import_name_is_sent_as_is():
     cfg = module_config("tests.simulations.fixtures.my_task")
-    assert task_spec(cfg)["task"] == {"module": "tests.simulations.fixtures.my_task"}
+    assert task_spec(cfg)["task"] == {"module": "tests.simulations.fixtures.my_task",
+                                      "client_test_fraction": 0.0}
     build_task(cfg)  # importable here (the repository root is on sys.path)
 
 
 def test_the_flower_run_config_resolves_the_module_too():
     spec = spec_from_run_config({"scenario": "default",
                                  "overrides": f"task.module={MY_TASK} federation.clients=3"})
-    assert spec["task"] == {"module": str(MY_TASK.resolve())} and spec["clients"] == 3
+    assert spec["task"] == {"module": str(MY_TASK.resolve()), "client_test_fraction": 0.0}
+    assert spec["clients"] == 3
 
 
 def test_a_scenario_setting_both_task_and_data_is_refused(tmp_path):
@@ -193,12 +195,13 @@ def test_central_evaluation_uses_the_test_set_and_is_absent_without_one(tmp_path
 
 
 def test_the_modules_own_loops_run_over_a_loader(tmp_path):
-    task = build_task(module_config(LOOPS, "train.batch_size=50", "train.local_epochs=2"))
+    task = build_task(module_config(LOOPS, "train.batch_size=50", "train.local_epochs=2",
+                                    "task.client_test_fraction=0.25"))
     model = task.build_model()
     count, metrics = task.trainer(model, 0, 7)
-    assert count == 200 and metrics["own_train_steps"] == 2 * 4  # 200 examples / 50, twice
-    count, metrics = task.evaluator(model, 0)
-    assert count == 200 and metrics["own_eval"] == 1.0
+    assert count == 150 and metrics["own_train_steps"] == 2 * 3  # 150 examples / 50, twice
+    count, metrics = task.evaluator(model, 0)  # on the held-out quarter
+    assert count == 50 and metrics["own_eval"] == 1.0
     assert task.evaluate(task.initial_params()[0])["own_eval"] == 1.0
 
 
