@@ -21,9 +21,11 @@ from typing import Any
 import pytest
 
 import server.secure_round  # noqa: F401  the secure rounds deployed below: a broken import fails
+from server.spread import spread
 from server.store import Store
 from simulations import deploy
 from simulations.certs import write_auth_key
+from simulations.task import ScenarioTask
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -98,16 +100,34 @@ def _only_run(db: str) -> tuple[Any, list[Any]]:
 
 
 def test_three_rounds_with_tls_and_auth(fed: dict[str, Any]) -> None:
+    """Three rounds, then every SuperNode evaluates the model on its own held-out split
+    (one federated evaluation, after the last round)."""
     state = fed["state"]
     assert state["tls"] and state["auth"] and len(state["registered"]) == NODES
     assert state["node_ids"] == state["registered"]  # each node came in with its own key
     db = f"sqlite:///{fed['tmp'] / 'plain.db'}"
-    _finish(_flwr_run(fed, db, f"federation.clients={NODES} federation.rounds=3 {FAST}"))
+    _finish(_flwr_run(fed, db, f"federation.clients={NODES} federation.rounds=3 {FAST} "
+                               "federation.evaluate_fraction=1 federation.evaluate_every=3"))
     run, rounds = _only_run(db)
     assert run.status == "completed"
     assert [r.round for r in rounds] == [0, 1, 2, 3]
     assert all(r.num_accepted == NODES and r.num_dropped == 0 for r in rounds[1:])
     assert rounds[-1].metrics["accuracy"] > rounds[0].metrics["accuracy"] + 0.3
+
+    with Store(db) as store:
+        evaluations = store.evaluations(run.run_id)
+    assert [rnd for rnd, _ in evaluations] == [3] * NODES  # once, after the last round
+    records = {e.client_id: e for _, e in evaluations}
+    assert {e.fate for e in records.values()} == {"accepted"}
+    task = ScenarioTask.from_config(run.config)  # supernode-i holds partition i
+    held = {str(node): len(task.client_test(i)[1]) for i, node in enumerate(state["node_ids"])}
+    assert {cid: e.num_examples for cid, e in records.items()} == held
+    assert all(0 <= e.accuracy <= 1 and 0 <= e.loss < 10 for e in records.values())
+    assert "federated_accuracy" not in rounds[1].metrics | rounds[2].metrics
+    figures = spread(records.values())
+    assert {k: rounds[-1].metrics[k] for k in figures} == pytest.approx(figures, abs=1e-12)
+    assert figures["federated_clients"] == NODES
+    assert abs(figures["federated_accuracy"] - rounds[-1].metrics["accuracy"]) < 0.15
 
 
 def test_three_rounds_with_secure_aggregation(fed: dict[str, Any]) -> None:
