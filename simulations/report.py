@@ -166,13 +166,10 @@ def _spread_panel(ax: Any, spread: dict[str, tuple[list[int], list[float]]]) -> 
     percentile band, the personal models' likewise, and the central accuracy beside."""
     for personal, label, color in ((False, "federated", "tab:blue"),
                                    (True, "personal", "tab:green")):
-        mean, low, high = (accuracy_key(stat, personal=personal) for stat in
-                           ("mean", "p10", "p90"))
-        if mean not in spread:
-            continue
-        xs, ys = spread[mean]
-        ax.plot(xs, ys, marker="o", color=color, label=f"{label} mean over clients")
-        weighted = accuracy_key(personal=personal)
+        mean, low, high, weighted = (accuracy_key(stat, personal=personal) for stat in
+                                     ("mean", "p10", "p90", None))
+        if mean in spread:  # none under secure evaluation: only the totals are known
+            ax.plot(*spread[mean], marker="o", color=color, label=f"{label} mean over clients")
         if weighted in spread:
             ax.plot(*spread[weighted], marker="x", linestyle=":", color=color,
                     label=f"{label}, example-weighted")

@@ -79,8 +79,10 @@ def spread_layout(metrics: Mapping[str, float]) -> dict[str, dict[str, list[Any]
     for personal, name in ((False, "global model"), (True, "personal models")):
         if accuracy_key(personal=personal) not in metrics:
             continue
-        charts[f"clients' accuracy, {name}: mean, 10th-90th percentile"] = [
-            "Margin", [accuracy_key(stat, personal=personal) for stat in ("mean", "p10", "p90")]]
+        if accuracy_key("p10", personal=personal) in metrics:  # none: secure evaluation
+            charts[f"clients' accuracy, {name}: mean, 10th-90th percentile"] = [
+                "Margin", [accuracy_key(stat, personal=personal)
+                           for stat in ("mean", "p10", "p90")]]
         charts[f"weighted, minimum and central accuracy, {name}"] = [
             "Multiline", [f"^{re.escape(tag)}$" for tag in  # tags are regular expressions
                           (accuracy_key(personal=personal),

@@ -252,3 +252,37 @@ def test_target_on_refuses_an_unknown_figure(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["simulate", "--target-on", "median"])
     assert "invalid choice: 'median'" in capsys.readouterr().err
+
+
+def test_secure_evaluation_totals_show_without_a_spread(tmp_path):
+    """Under federation.secure_evaluation the server learns only totals: the weighted
+    accuracy shows alone, and the plot draws it without a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from simulations.report import _spread_panel
+
+    totals = {"federated_accuracy": 0.8, "federated_loss": 0.6, "federated_clients": 4.0,
+              "federated_clipped": 0.0}
+    line = round_line(2, 2, {"accuracy": 0.81, "accepted": 4.0, **totals})
+    assert line.endswith("0 dropped, fed acc 0.800")
+    from simulations.tracking import spread_layout
+
+    (chart,) = spread_layout(totals)["federated evaluation"].values()  # no margin chart
+    assert chart == ["Multiline", ["^federated_accuracy$", "^federated_accuracy_min$",
+                                   "^accuracy$"]]
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    with Store(url) as store:
+        run_id = store.create_run(config={}, seed=0, name="secure")
+        store.record_round(run_id, round=1, model_version=1, metrics={"accuracy": 0.5})
+        store.record_round(run_id, round=2, model_version=2, metrics={"accuracy": 0.81,
+                                                                      **totals})
+        series = spread_series(store.rounds(run_id))
+    assert series["federated_accuracy"] == ([2], [0.8]) and "federated_accuracy_p10" not in series
+    fig, ax = plt.subplots()
+    _spread_panel(ax, series)
+    assert not ax.collections
+    assert [line.get_label() for line in ax.lines] == ["federated, example-weighted", "central"]
+    plt.close(fig)
