@@ -432,7 +432,7 @@ def make_client_app(task_factory: TaskFactory, resolve_spec: SpecResolver) -> Cl
     app = ClientApp(mods=[refuse_unusable_messages])
     app.train()(client.train)
     app.evaluate()(client.evaluate)
-    register_secagg(app, client.local_update)
+    register_secagg(app, client.local_update, client.evaluation)
     return app
 
 

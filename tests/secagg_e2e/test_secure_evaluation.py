@@ -43,7 +43,7 @@ from server.secagg_config import SecAggScenarioConfig
 from server.secure_evaluation import CLIPPED, run_secure_evaluation, secure_evaluate
 from server.secure_round import secure_round
 from server.store import Store
-from simulations.apps import build_task, spec_from_run_config
+from simulations.apps import build_task, client_app, spec_from_run_config
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
 from simulations.module_task import make_task
@@ -55,38 +55,21 @@ SECURE = ["secagg.enabled=true", "federation.secure_evaluation=true",
 FIGURE_KEYS = {MetricKey.NUM_EXAMPLES, *EvalKey.__dict__.values(), "loss", "accuracy",
                "train_loss"}
 
-EvaluationFn = Callable[[Message, Context], ClientEvaluation]
-
-
-def evaluation_of(client: FedringClient) -> EvaluationFn:
-    """The client's evaluation function: its own, or the plain evaluate handler's reply
-    read back, which gives the same figures."""
-    own = getattr(client, "evaluation", None)
-    if own is not None:
-        return own
-
-    def evaluation(msg: Message, context: Context) -> ClientEvaluation:
-        return read_evaluation(client.evaluate(msg, context).content[RecordName.METRICS])
-
-    return evaluation
-
-
 def secure_app(personal: Callable[[int], tuple[float, float] | None] | None = None
                ) -> ClientApp:
-    """fedring's ClientApp with secure evaluation registered (``personal``: node id ->
-    its own model's accuracy and loss, or None, added to the figures)."""
+    """fedring's ClientApp; with ``personal`` (node id -> its own model's accuracy and
+    loss, or None) the same app whose evaluation adds those figures."""
+    if personal is None:
+        return client_app
     client = FedringClient(make_task, spec_from_run_config)
-    evaluation = evaluation_of(client)
-    if personal is not None:
-        base = evaluation
 
-        def evaluation(msg: Message, context: Context) -> ClientEvaluation:
-            figures, own = base(msg, context), personal(int(context.node_id))
-            if own is None:
-                return figures
-            acc, loss = own
-            return ClientEvaluation(figures.num_examples, figures.loss, figures.accuracy,
-                                    loss_personal=loss, accuracy_personal=acc)
+    def evaluation(msg: Message, context: Context) -> ClientEvaluation:
+        figures, own = client.evaluation(msg, context), personal(int(context.node_id))
+        if own is None:
+            return figures
+        acc, loss = own
+        return ClientEvaluation(figures.num_examples, figures.loss, figures.accuracy,
+                                loss_personal=loss, accuracy_personal=acc)
 
     app = ClientApp(mods=[refuse_unusable_messages])
     app.train()(client.train)
