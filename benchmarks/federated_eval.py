@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -38,7 +39,9 @@ from harness import ROOT, log, timed_simulation
 from machine_info import load_average, machine, shown_path
 
 from server.store import Store
+from simulations.apps import build_task
 from simulations.config import load_scenario
+from simulations.feature_shift import client_distortion
 
 SHIFT_SCENARIO = "feature_shift"
 VARIANTS = {"fedavg": ["aggregation.local_buffers=false"],
@@ -65,9 +68,14 @@ def run_rounds(scenario: str, overrides: list[str], seed: int, db: str,
     with Store(db) as store:
         records = [r for r in store.rounds(summary["run_id"]) if r.round >= 1]
         final = store.load_checkpoint(summary["run_id"]) if own_statistics else None
+        answers = [e for _, e in store.evaluations(summary["run_id"], round=records[-1].round)
+                   if e.fate == "accepted"]
     rows = [{"round": r.round, "wall_s": r.wall_s,
              **{k: r.metrics.get(k) for k in ROUND_KEYS}} for r in records]
-    out = {"status": summary["status"], "run_wall_s": round(wall, 2)}
+    out = {"status": summary["status"], "run_wall_s": round(wall, 2),
+           "clients": config["federation"]["clients"],
+           "federated_examples": sum(e.num_examples or 0 for e in answers),
+           "central_examples": len(build_task(config).load_test())}
     if final is not None:
         out["own_statistics"] = round(own_statistics_accuracy(config, final.params), 4)
     return out, rows
@@ -82,7 +90,6 @@ def own_statistics_accuracy(config: dict[str, Any], params: np.ndarray) -> float
 
     from client.flat_model import FlatModel
     from client.training import evaluate
-    from simulations.apps import build_task
 
     task = build_task(config)
     clients = config["federation"]["clients"]
@@ -147,6 +154,7 @@ def shift_mode(seeds: list[int], extra: list[str], control: bool, db: str) -> di
                 "fedbn_global_federated": fedbn["federated_accuracy"],
                 "fedavg_own_statistics": fedavg.get("own_statistics"),
                 "fedavg_central": fedavg["accuracy"], "fedbn_central": fedbn["accuracy"],
+                "contrast_range": contrast_range(shift, seed, fedavg["clients"]),
                 "gap": None if personal is None or fedavg["federated_accuracy"] is None
                 else round(personal - fedavg["federated_accuracy"], 4)})
     shifted = [g["gap"] for g in gaps if g["strength"] == strength]
@@ -155,6 +163,12 @@ def shift_mode(seeds: list[int], extra: list[str], control: bool, db: str) -> di
             "target": {"gap_at_least": GAP_TARGET, "smallest_gap": min(
                 (g for g in shifted if g is not None), default=None),
                 "met": None if None in shifted else all(g >= GAP_TARGET for g in shifted)}}
+
+
+def contrast_range(strength: float, seed: int, clients: int) -> list[float]:
+    """The smallest and largest contrast ``a_i`` among the clients' distortions."""
+    contrasts = [math.exp(client_distortion(strength, seed, pid)[0]) for pid in range(clients)]
+    return [round(min(contrasts), 3), round(max(contrasts), 3)]
 
 
 def default_mode(seeds: list[int], extra: list[str], db: str) -> dict[str, Any]:
@@ -175,6 +189,8 @@ def default_mode(seeds: list[int], extra: list[str], db: str) -> dict[str, Any]:
                "federated_p10": rounded(last["federated_accuracy_p10"]),
                "federated_min": rounded(last["federated_accuracy_min"]),
                "federated_clients": last["federated_clients"],
+               "federated_examples": summary["federated_examples"],
+               "central_examples": summary["central_examples"],
                "difference": None if federated is None else round(federated - central, 4),
                "eval_s_median": rounded(statistics.median(
                    [r["federated_eval_s"] for r in rows if r["federated_eval_s"] is not None]
@@ -211,7 +227,7 @@ def plot(path: Path, shift: dict[str, Any]) -> None:
     fig, axes = plt.subplots(1, len(seeds) + 1, figsize=(3.6 * (len(seeds) + 1), 3.6))
     lines = [("fedbn", "federated_accuracy_personal", "FedBN, personal (federated)", "-"),
              ("fedavg", "federated_accuracy", "FedAvg (federated)", "-"),
-             ("fedbn", "accuracy", "FedBN, central", ":"),
+             ("fedbn", "accuracy", "FedBN, central (server's batch norm)", ":"),
              ("fedavg", "accuracy", "FedAvg, central", ":")]
     for ax, seed in zip(axes, seeds, strict=False):
         for variant, key, label, style in lines:

@@ -441,9 +441,12 @@ def test_federated_eval_quick() -> None:
     assert gap["fedbn_personal"] > gap["fedbn_global_federated"] + 0.05
     assert 0 < gap["fedavg_own_statistics"] <= 1 and gap["gap"] > 0
     assert shift["target"]["smallest_gap"] == gap["gap"]
+    low, high = gap["contrast_range"]
+    assert 0 < low < 1 < high  # five clients' contrasts exp(0.75 g) straddle 1
     default = result["default"]
     [row] = default["results"]
-    assert row["federated_clients"] == 5
+    assert row["federated_clients"] == 5 and row["central_examples"] == 360
+    assert 0 < row["federated_examples"] < 1437 * 0.5  # the 5 clients' held-out splits
     assert 0 <= row["federated_min"] <= row["federated_p10"] <= row["federated"] <= 1
     assert row["difference"] == pytest.approx(row["federated"] - row["central"], abs=1e-4)
     ratios = [r["eval_s"] / (r["wall_s"] - r["eval_s"]) for r in row["round_s"]]
