@@ -44,6 +44,12 @@ def draw_fixed(node_ids: Iterable[int], k: int, rng: np.random.Generator) -> lis
     return sorted(available[int(i)] for i in rng.choice(len(available), size=k, replace=False))
 
 
+def evaluation_cohort_size(nodes: int, fraction: float) -> int:
+    """How many of ``nodes`` a federated evaluation round asks: ``max(1, round(fraction *
+    nodes))``, at most ``nodes``."""
+    return min(nodes, max(1, round(fraction * nodes)))
+
+
 def evaluation_cohort(node_ids: Iterable[int], *, fraction: float, seed: int, rnd: int,
                       dp: DPController | None) -> list[int]:
     """Round ``rnd``'s federated evaluation cohort: ``max(1, round(fraction * n))`` of the
@@ -52,7 +58,7 @@ def evaluation_cohort(node_ids: Iterable[int], *, fraction: float, seed: int, rn
     available = sorted(node_ids)
     if not available:
         return []
-    k = min(len(available), max(1, round(fraction * len(available))))
+    k = evaluation_cohort_size(len(available), fraction)
     secret = dp is not None and dp.secret_cohorts
     return draw_fixed(available, k, cohort_rng(seed, rnd, secret=secret, stream=3))
 

@@ -28,9 +28,19 @@ CLIENT_SIDE_COMBINE = "centered_clip"  # under secagg: each client clips around 
 STALENESS_KEYS = ("staleness", "staleness_a", "staleness_b", "max_staleness")
 
 
+# Keys that moved: section.key -> where it is now (an error names the new place)
+MOVED_KEYS = {"gossip.holdout_fraction": "data.client_test_fraction (with task.module: "
+                                         "task.client_test_fraction): every client's "
+                                         "held-out split, gossip silos' too"}
+
+
 def from_section(cls: type, section: str, values: Mapping[str, Any]) -> Any:
     """Build dataclass ``cls`` from a scenario section; unknown keys and bad types fail."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in values:
+        if f"{section}.{key}" in MOVED_KEYS:
+            raise ValueError(f"{section}.{key} moved to {MOVED_KEYS[f'{section}.{key}']}: "
+                             f"remove {section}.{key} and set that key instead")
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; "

@@ -71,21 +71,13 @@ class GossipConfig:
     seed and the round), and its Metropolis–Hastings weights (``aggregation.gossip``).
     Each silo trains on its partition less its held-out split and evaluates its mixed
     model on that split (``[data] client_test_fraction``, as every client does).
-    ``holdout_fraction`` is no longer a setting: it is refused, naming where it moved.
     """
 
     topology: str = "ring"
     degree: int = 4
-    holdout_fraction: float | None = None  # moved to [data] client_test_fraction
 
     def __post_init__(self) -> None:
         check_choice("gossip.topology", self.topology, TOPOLOGIES)
         if self.degree < 2:
             raise ValueError(f"gossip.degree must be >= 2 (the random topology contains a "
                              f"ring), got {self.degree}")
-        if self.holdout_fraction is not None:
-            raise ValueError("gossip.holdout_fraction moved to data.client_test_fraction "
-                             "(every client's held-out split, gossip silos' too): remove "
-                             f"gossip.holdout_fraction and set data.client_test_fraction = "
-                             f"{self.holdout_fraction} (with task.module: "
-                             "task.client_test_fraction)")

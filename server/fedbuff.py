@@ -49,6 +49,7 @@ from server.replies import decode_train_reply
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss, update_record
 from server.secure_buffer import SecureBuffer
 from server.secure_round import SecureSettings, secure_result
+from server.spread import PREFIX as FEDERATED
 from server.store import UpdateRecord
 
 
@@ -348,6 +349,8 @@ class FedBuffRounds(RoundSource):
                     for ev in self._ready]
         if records:
             last = ctx.state.history[-1] if ctx.state.history else {}
+            # the model's central figures; no client evaluated in this round
+            last = {k: v for k, v in last.items() if not k.startswith(f"{FEDERATED}_")}
             self._bytes_up += sum(ev.nbytes for ev in self._ready)
             ctx.store.record_round(run_id, round=ctx.state.round + 1, model_version=version,
                                    status="aborted", num_sampled=len(records),

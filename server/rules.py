@@ -18,6 +18,7 @@ from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
 from privacy.secagg import max_scale
 from privacy.secagg.quantize import max_level
 from server.audit import AuditConfig
+from server.cohort import evaluation_cohort_size
 from server.compression import SECURE_MIN_BITS, compression_config
 from server.config import (
     CLIENT_SIDE_COMBINE,
@@ -267,7 +268,6 @@ _GOSSIP_NEEDS = (
     ("driver.staleness", "constant", "staleness weights updates against a model version"),
     ("driver.max_staleness", -1, "staleness bounds updates against a model version"),
     ("driver.late_policy", "drop", "a gossip round waits for every silo or fails"),
-    ("driver.target_accuracy", 0.0, "it is checked on a central model's accuracy"),
 )
 
 
@@ -441,7 +441,13 @@ def check_evaluation(config: Mapping[str, Any], fed: FederationConfig) -> None:
                          "held-out split, but data.client_test_fraction = 0 holds none out: "
                          "set data.client_test_fraction (e.g. 0.2) or "
                          "federation.evaluate_fraction = 0")
-    if driver.target_on != "central" and fed.evaluate_fraction == 0:
+    gossip = driver.kind == GOSSIP  # every silo evaluates its own model every round
+    if gossip and driver.target_accuracy and driver.target_on != "federated":
+        raise ValueError(f"driver.kind 'gossip' has no global model: driver.target_accuracy "
+                         f"can only be compared with the silos' own models' accuracy on "
+                         f"their held-out splits: set driver.target_on = 'federated', got "
+                         f"'{driver.target_on}'")
+    if driver.target_on != "central" and fed.evaluate_fraction == 0 and not gossip:
         raise ValueError(f"driver.target_on = '{driver.target_on}' compares the target with "
                          "the clients' federated evaluation, which federation.evaluate_fraction "
                          "= 0 turns off: set federation.evaluate_fraction > 0 or "
@@ -459,3 +465,16 @@ def check_evaluation(config: Mapping[str, Any], fed: FederationConfig) -> None:
         raise ValueError("federation.secure_evaluation = true needs a federated evaluation: "
                          "set federation.evaluate_fraction > 0 or "
                          "federation.secure_evaluation = false")
+    if fed.secure_evaluation and driver.kind not in ("sync", "fedbuff", "fedasync"):
+        raise ValueError(f"federation.secure_evaluation = true runs a SecAgg+ session among "
+                         f"the clients, which driver.kind = '{driver.kind}' silos do not "
+                         "answer: set federation.secure_evaluation = false")
+    if fed.secure_evaluation:
+        asked = evaluation_cohort_size(fed.clients, fed.evaluate_fraction)
+        survivors = SecAggScenarioConfig.from_dict(config.get("secagg")).min_survivors
+        if asked < survivors:
+            raise ValueError(f"federation.secure_evaluation = true: federation.evaluate_fraction"
+                             f" = {fed.evaluate_fraction:g} asks {asked} of {fed.clients} "
+                             f"clients, fewer than secagg.min_survivors = {survivors}, so "
+                             "every secure evaluation would abort: raise "
+                             "federation.evaluate_fraction")

@@ -394,7 +394,18 @@ class ModuleTask:
             raise TaskModuleError(f"silos train with fedring's data-parallel loop, which "
                                   f"cannot run {self._name('train')}: remove train() from "
                                   "the module for driver.kind = 'cross_silo'")
-        if driver.get("target_accuracy", 0) and not hasattr(self.module, "load_test"):
+        evaluates = float(dict((config or {}).get("federation") or {}).get(
+            "evaluate_fraction", 0.0)) > 0 or driver.get("kind") == "gossip"
+        if evaluates and not own_test and self.client_test_fraction <= 0:
+            raise TaskModuleError(f"federated evaluation asks each client to evaluate on its "
+                                  f"held-out split, but task module '{self.ref}' has no "
+                                  "load_client_test() and task.client_test_fraction = 0: "
+                                  "set task.client_test_fraction (e.g. 0.2), add "
+                                  "load_client_test(partition_id, num_partitions) to the "
+                                  "module, or set federation.evaluate_fraction = 0")
+        central_target = bool(driver.get("target_accuracy", 0)) and \
+            driver.get("target_on", "central") == "central"
+        if central_target and not hasattr(self.module, "load_test"):
             raise TaskModuleError(f"driver.target_accuracy needs central evaluation, but "
                                   f"task module '{self.ref}' has no load_test()")
         check_model(self.build_model(), cfg)  # DP-SGD refuses batch norm
@@ -406,7 +417,7 @@ class ModuleTask:
             self.client_test(0)
         if self.load_test() is not None:
             metrics = self.evaluate(params)
-            if driver.get("target_accuracy", 0) and "accuracy" not in metrics:
+            if central_target and "accuracy" not in metrics:
                 raise TaskModuleError(f"driver.target_accuracy needs an 'accuracy' metric, "
                                       f"but {self._name('evaluate')} returns "
                                       f"{sorted(metrics)}")

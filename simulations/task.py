@@ -122,7 +122,7 @@ class ScenarioTask:
         return build_model(self._model_kind, input_shape=ds.input_shape,
                            num_classes=ds.num_classes, **self._model_params)
 
-    def _split(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+    def split_indices(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Client ``partition_id``'s (training, held-out) indices into the training set."""
         if not 0 <= partition_id < self.clients:
             raise ValueError(f"partition-id {partition_id} is out of range: the scenario has "
@@ -144,7 +144,7 @@ class ScenarioTask:
     def partition(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (inputs, labels) client ``partition_id`` trains on: its partition less its
         held-out split."""
-        idx, _ = self._split(partition_id)
+        idx, _ = self.split_indices(partition_id)
         ds = self.dataset
         x, y = self._inputs(partition_id, idx), torch.from_numpy(ds.y_train[idx])
         if self.attack is not None:
@@ -153,7 +153,7 @@ class ScenarioTask:
 
     def client_test(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Client ``partition_id``'s held-out split (None when it has none)."""
-        _, held = self._split(partition_id)
+        _, held = self.split_indices(partition_id)
         if not len(held):
             return None
         return self._inputs(partition_id, held), torch.from_numpy(self.dataset.y_train[held])

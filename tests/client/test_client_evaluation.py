@@ -129,11 +129,11 @@ class Poisoned(ScenarioTask):
         if getattr(self, "_poisoned", None) is None:
             ds = super().dataset
             x, y = ds.x_train.copy(), ds.y_train.copy()
-            held = np.concatenate([self._split(p)[1] for p in range(self.clients)])
+            held = np.concatenate([self.split_indices(p)[1] for p in range(self.clients)])
             x[held] = 1e6
             y[held] = (y[held] + 1) % ds.num_classes
             if self.touch_training:
-                x[self._split(0)[0][0]] += 1.0
+                x[self.split_indices(0)[0][0]] += 1.0
             self._poisoned = dataclasses.replace(ds, x_train=x, y_train=y)
         return self._poisoned
 

@@ -357,6 +357,9 @@ def test_fedbuff_evaluates_each_applied_aggregate(run_inprocess, store):
         assert federated(rounds[rnd]) == pytest.approx(spread(records.values()))
         assert rounds[rnd]["bytes_down"] >= 5 * model_bytes  # the evaluation's downloads
     assert summary["federated_accuracy"] == rounds[2]["federated_accuracy"]
+    for rnd, metrics in rounds.items():  # e.g. the aborted round of the leftover replies
+        if rnd not in (1, 2):
+            assert not answers(store, summary["run_id"], rnd) and federated(metrics) == {}
 
 
 def test_secure_sync_rounds_evaluate(run_inprocess, store):
@@ -437,11 +440,25 @@ def test_resume_records_the_replayed_rounds_evaluations_again(db_url, store):
     (["federation.evaluate_fraction=0", "federation.secure_evaluation=true",
       "secagg.enabled=true"], "federation.secure_evaluation = true needs a federated "
                               "evaluation: set federation.evaluate_fraction > 0"),
+    (["secagg.enabled=true", "federation.secure_evaluation=true",
+      "federation.evaluate_fraction=0.2"], "asks 1 of 5 clients, fewer than "
+                                           "secagg.min_survivors = 3"),
+    (["secagg.enabled=true", "federation.secure_evaluation=true", "driver.kind=cross_silo"],
+     "which driver.kind = 'cross_silo' silos do not answer"),
+    (["driver.kind=gossip", "driver.target_accuracy=0.5"],
+     "set driver.target_on = 'federated', got 'central'"),
+    (["gossip.holdout_fraction=0.3"], "gossip.holdout_fraction moved to "
+                                      "data.client_test_fraction"),
 ])
 def test_configurations_that_cannot_evaluate_fail_at_start(overrides, message):
     with pytest.raises(ValueError) as raised:
         config(*overrides)
     assert message in str(raised.value)
+
+
+def test_gossip_may_stop_at_a_target_on_its_silos_own_accuracy():
+    cfg = config("driver.kind=gossip", "driver.target_accuracy=0.5", "driver.target_on=federated")
+    assert cfg["driver"]["target_on"] == "federated"
 
 
 def test_the_server_refuses_them_too_in_a_configuration_made_by_hand(run_inprocess):

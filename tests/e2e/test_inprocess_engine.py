@@ -24,8 +24,9 @@ def test_small_run_trains_and_records_everything(small_config, run_inprocess, st
         assert len(updates) == 5
         assert all(u.fate == "accepted" and u.num_examples > 0 and u.norm > 0
                    for _, u in updates)
-        assert sum(u.num_examples for _, u in updates) == len(
-            ScenarioTask.from_config(small_config).dataset.y_train)
+        task = ScenarioTask.from_config(small_config)
+        held_out = sum(len(task.client_test(pid)[1]) for pid in range(5))
+        assert sum(u.num_examples for _, u in updates) + held_out == len(task.dataset.y_train)
     ckpt = store.load_checkpoint(summary["run_id"])
     assert ckpt is not None and ckpt.round == 2 and ckpt.model_version == 2
 

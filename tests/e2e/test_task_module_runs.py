@@ -106,12 +106,12 @@ def test_fedrings_client_app_under_flower_fedavg_uses_the_modules_loops():
     model = my_task.build_model()
     run_config = {"scenario": "default",
                   "overrides": f"task.module={LOOPS} federation.clients=4 train.batch_size=50 "
-                               "train.local_epochs=1"}
+                               "train.local_epochs=1 task.client_test_fraction=0.25"}
     grid = InProcessGrid(client_app, 4, run_config=run_config)
     result = FedAvg(fraction_evaluate=1.0).start(
         grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=2,
         train_config=ConfigRecord({}))
-    assert result.train_metrics_clientapp[1]["own_train_steps"] == 4.0
+    assert result.train_metrics_clientapp[1]["own_train_steps"] == 3.0  # 150 of 200 / 50
     evaluated = result.evaluate_metrics_clientapp[2]
     assert evaluated["eval_own_eval"] == 1.0  # the module's evaluate, on each client
     assert 0 <= evaluated["eval_acc"] <= 1 and evaluated["eval_loss"] > 0

@@ -117,7 +117,8 @@ def test_label_flip_flips_the_attackers_labels_only():
         assert torch.equal(x0, x1)
         assert torch.equal(y1, 9 - y0 if pid in attackers else y0), pid
     # the shared dataset is untouched: a later honest task still sees the true labels
-    y_true = torch.from_numpy(honest.dataset.y_train[honest.partitions()[min(attackers)]])
+    train_idx, _ = honest.split_indices(min(attackers))  # the partition less its held-out split
+    y_true = torch.from_numpy(honest.dataset.y_train[train_idx])
     assert torch.equal(honest.partition(min(attackers))[1], y_true)
 
 

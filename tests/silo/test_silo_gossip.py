@@ -345,5 +345,5 @@ def test_gossip_refuses_what_needs_a_global_model(values: dict, key: str) -> Non
 
 def test_the_default_scenario_resolves_with_gossip_defaults() -> None:
     config = load_scenario("default", values={"driver.kind": "gossip"})
-    assert config["gossip"] == {"topology": "ring", "degree": 4, "holdout_fraction": None}
+    assert config["gossip"] == {"topology": "ring", "degree": 4}
     assert config["data"]["client_test_fraction"] == 0.2

@@ -156,6 +156,16 @@ def test_a_target_accuracy_needs_a_test_set(tmp_path):
         build_task(module_config(write_module(tmp_path, GOOD), "driver.target_accuracy=0.9"))
 
 
+def test_a_federated_target_needs_no_test_set_but_a_held_out_split(tmp_path):
+    module = write_module(tmp_path, GOOD)
+    federated = ["driver.target_accuracy=0.9", "driver.target_on=federated",
+                 "federation.evaluate_fraction=1"]
+    build_task(module_config(module, *federated, "task.client_test_fraction=0.5"))
+    with pytest.raises(TaskModuleError, match=r"has no load_client_test\(\) and "
+                                              r"task\.client_test_fraction = 0"):
+        build_task(module_config(module, *federated))
+
+
 # ---- what the task gives
 
 def test_the_initial_model_is_seeded_by_the_run_seed_and_leaves_torch_rng_alone():

@@ -66,7 +66,9 @@ def test_shakespeare_round_is_fedavg_of_char_lstm_on_each_role(tmp_path, run_inp
     for pid in range(4):
         x, y = task.partition(pid)
         assert x.dtype == torch.int64 and x.shape[1:] == (80,)
-        assert len(x) == 6 + 2 * pid  # LEAF user pid, natural partition
+        held_out = task.client_test(pid)
+        assert held_out is not None
+        assert len(x) + len(held_out[0]) == 6 + 2 * pid  # LEAF user pid, natural partition
         model = FlatModel(task.build_model())
         model.load(start)
         train(model.module, x, y, task.train_config, seed=training_seed(task.seed, 1, pid))
