@@ -193,7 +193,6 @@ class RunLoop:
                 f" rejected, {fates['dropped']} dropped); no federated figures recorded")
         return evaluations, figures
 
-
     def _record_initial(self, run_id: str) -> None:
         """Round 0: the initial model's evaluation."""
         ctx = self.ctx
