@@ -29,21 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privacy.secagg.quantize import LOSS_RANGE, LOSS_STEP
+from privacy.secagg.quantize import LOSS_RANGE, LOSS_STEP, digit_count
 
 STEP = LOSS_STEP
 MAX_EXAMPLES = 2**32 - 1  # a client's held-out examples counted, at most
 FIELDS = ("clipped", "examples", "correct", "loss", "personal", "correct_personal",
           "loss_personal")
 MAX_CLIPPED = 5  # examples, accuracy, loss, accuracy_personal, loss_personal
-
-
-def _digits(top: int, base: int) -> int:
-    """How many base-``base`` digits write every integer in [0, top]."""
-    count, span = 1, base
-    while span <= top:
-        count, span = count + 1, span * base
-    return count
 
 
 @dataclass(frozen=True)
@@ -86,7 +78,7 @@ class EvalWords:
 
     @property
     def words(self) -> int:
-        return sum(_digits(top, self.level + 1) for top in self._tops)
+        return sum(digit_count(top, self.level + 1) for top in self._tops)
 
     @staticmethod
     def _clip(value: float | None, high: float, bad: float) -> tuple[float, int]:
@@ -118,7 +110,7 @@ class EvalWords:
         base, out = self.level + 1, []
         for number, top in zip(numbers, self._tops, strict=True):
             number = min(number, top)
-            for _ in range(_digits(top, base)):
+            for _ in range(digit_count(top, base)):
                 number, digit = divmod(number, base)
                 out.append(digit)
         return np.array(out, dtype=np.uint64)
@@ -130,7 +122,7 @@ class EvalWords:
             raise ValueError(f"expected {self.words} evaluation words, got {len(sums)}")
         base, values, at = self.level + 1, [], 0
         for top in self._tops:
-            count = _digits(top, base)
+            count = digit_count(top, base)
             values.append(sum(d * base**i for i, d in enumerate(sums[at:at + count])))
             at += count
         clipped, examples, correct, loss, personal, correct_p, loss_p = values

@@ -96,7 +96,7 @@ LOSS_RANGE = 256.0  # a training loss is clipped to [-LOSS_RANGE, LOSS_RANGE] fo
 LOSS_STEP = 2.0**-16  # the resolution of one client's examples * (loss + LOSS_RANGE)
 
 
-def _digits(top: int, base: int) -> int:
+def digit_count(top: int, base: int) -> int:
     """How many base-``base`` digits write every integer in [0, top]."""
     count, span = 1, base
     while span <= top:
@@ -125,7 +125,7 @@ class StatWords:
 
     @property
     def words(self) -> int:
-        return sum(_digits(top, self.level + 1) for top in self._tops)
+        return sum(digit_count(top, self.level + 1) for top in self._tops)
 
     def encode(self, clipped: int, examples: float, loss: float | None) -> np.ndarray:
         """One client's words: its ``clipped`` coordinates plus one for an example count
@@ -145,7 +145,7 @@ class StatWords:
         base = self.level + 1
         out = []
         for number, top in zip((min(clipped, self.dim + 2), e, value), self._tops, strict=True):
-            for _ in range(_digits(top, base)):
+            for _ in range(digit_count(top, base)):
                 number, digit = divmod(number, base)
                 out.append(digit)
         return np.array(out, dtype=np.uint64)
@@ -158,7 +158,7 @@ class StatWords:
             raise ValueError(f"expected {self.words} stat words, got {len(sums)}")
         base, values, at = self.level + 1, [], 0
         for top in self._tops:
-            count = _digits(top, base)
+            count = digit_count(top, base)
             values.append(sum(d * base**i for i, d in enumerate(sums[at:at + count])))
             at += count
         clipped, examples, value = values

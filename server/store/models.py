@@ -110,21 +110,28 @@ class RoundRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
-class UpdateRow(Base):
+class PerClientOfRound:
+    """Columns of a table with one row per client of a round (the round's row owns them)."""
+
+    @declared_attr.directive
+    def __table_args__(cls) -> tuple[Any, ...]:
+        return (ForeignKeyConstraint(["run_id", "round"], ["rounds.run_id", "rounds.round"],
+                                     ondelete="CASCADE"),
+                Index(None, "run_id", "round"))
+
+    # sort_order -1: these come before the table's own columns (the on-disk order).
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True,
+                                    sort_order=-1)
+    run_id: Mapped[str] = mapped_column(String(32), sort_order=-1)
+    round: Mapped[int] = mapped_column(Integer, sort_order=-1)
+    client_id: Mapped[str] = mapped_column(String, sort_order=-1)
+
+
+class UpdateRow(PerClientOfRound, Base):
     """What happened to one client update: accepted, rejected (with why) or dropped."""
 
     __tablename__ = "updates"
-    __table_args__ = (
-        ForeignKeyConstraint(
-            ["run_id", "round"], ["rounds.run_id", "rounds.round"], ondelete="CASCADE"
-        ),
-        Index(None, "run_id", "round"),
-    )
 
-    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(32))
-    round: Mapped[int] = mapped_column(Integer)
-    client_id: Mapped[str] = mapped_column(String)
     num_examples: Mapped[int | None] = mapped_column(BigInteger)
     base_version: Mapped[int | None] = mapped_column(Integer)
     staleness: Mapped[int | None] = mapped_column(Integer)
@@ -135,22 +142,12 @@ class UpdateRow(Base):
     metrics: Mapped[dict] = mapped_column(JSON)
 
 
-class EvalRow(Base):
+class EvalRow(PerClientOfRound, Base):
     """One client's answer in a federated evaluation round: its figures for the global
     model on its held-out split (and for its own model), or why there are none."""
 
     __tablename__ = "evaluations"
-    __table_args__ = (
-        ForeignKeyConstraint(
-            ["run_id", "round"], ["rounds.run_id", "rounds.round"], ondelete="CASCADE"
-        ),
-        Index(None, "run_id", "round"),
-    )
 
-    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(String(32))
-    round: Mapped[int] = mapped_column(Integer)
-    client_id: Mapped[str] = mapped_column(String)
     fate: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(String)
     num_examples: Mapped[int | None] = mapped_column(BigInteger)

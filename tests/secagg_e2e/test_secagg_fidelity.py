@@ -33,23 +33,15 @@ from simulations.apps import build_task, client_app, config_from_run_config
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
 from simulations.report import report_columns, round_table
+from tests.recording_grid import RecordsReplies
 
 BN_TASK = str(Path(__file__).with_name("bn_cnn_task.py"))
 SECURE = "secagg.enabled=true"
 CLEAR_KEYS = ("train_loss", MetricKey.NUM_EXAMPLES)
 
 
-class RecordingGrid(InProcessGrid):
+class RecordingGrid(RecordsReplies, InProcessGrid):
     """The in-process engine, keeping every reply the server pulls."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.replies: list[Message] = []
-
-    def pull_messages(self, message_ids):  # type: ignore[override]
-        for reply in super().pull_messages(message_ids):
-            self.replies.append(reply)
-            yield reply
 
 
 class Messages(LogReporter):

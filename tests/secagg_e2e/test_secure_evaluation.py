@@ -47,6 +47,7 @@ from simulations.apps import build_task, client_app, spec_from_run_config
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
 from simulations.module_task import make_task
+from tests.recording_grid import RecordsReplies
 
 CLIENTS = 5
 BN_TASK = str(Path(__file__).with_name("bn_cnn_task.py"))
@@ -78,17 +79,8 @@ def secure_app(personal: Callable[[int], tuple[float, float] | None] | None = No
     return app
 
 
-class RecordingGrid(InProcessGrid):
+class RecordingGrid(RecordsReplies, InProcessGrid):
     """The in-process engine, keeping every reply the server pulls."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.replies: list[Message] = []
-
-    def pull_messages(self, message_ids):  # type: ignore[override]
-        for reply in super().pull_messages(message_ids):
-            self.replies.append(reply)
-            yield reply
 
 
 def figures_in_the_clear(reply: Message) -> list[str]:

@@ -31,6 +31,7 @@ from server.secagg_config import SecAggScenarioConfig
 from simulations.apps import spec_from_run_config
 from simulations.silo_engine import ConcurrentGrid, silo_client_app
 from simulations.task import ScenarioTask
+from tests.recording_grid import RecordsReplies
 
 pytestmark = pytest.mark.slow
 
@@ -61,17 +62,8 @@ def _spy_on_the_session(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     return seen
 
 
-class RecordingGrid(ConcurrentGrid):
+class RecordingGrid(RecordsReplies, ConcurrentGrid):
     """The silos' engine, keeping every reply the server pulls."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.replies: list[Message] = []
-
-    def pull_messages(self, message_ids):  # type: ignore[override]
-        for reply in super().pull_messages(message_ids):
-            self.replies.append(reply)
-            yield reply
 
 
 def test_the_unmasked_ring_sum_equals_the_plain_cross_silo_round(
