@@ -207,8 +207,9 @@ def test_a_client_refusing_the_pattern_drops_out_and_the_round_goes_on():
 
 # --- whole runs on the in-process engine -------------------------------------------------
 
+# whole partitions: the accuracy margins below were set on them
 SMALL = ["federation.clients=8", "federation.rounds=3", "train.local_epochs=2",
-         "data.partitioner=iid"]
+         "data.partitioner=iid", "data.client_test_fraction=0"]
 
 
 def test_secure_randk_and_qsgd_runs_learn_like_plain_ones_and_upload_less(run_inprocess, store,
@@ -268,7 +269,7 @@ def words(metrics: dict[str, float], dim: int, bits: int, n: int = 8) -> int:
 
 
 ASYNC = ["federation.clients=8", "federation.rounds=4", "train.local_epochs=1",
-         "data.partitioner=iid", "driver.buffer_size=3"]
+         "data.partitioner=iid", "driver.buffer_size=3", "data.client_test_fraction=0"]
 
 
 def test_async_rounds_compress_and_record_their_bytes(run_inprocess, store):

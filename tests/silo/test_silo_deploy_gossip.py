@@ -48,7 +48,8 @@ def test_a_killed_silo_is_dropped_from_the_next_topology_and_the_run_finishes(
     assert first.metrics["consensus_distance"] > 0
     assert all(0 <= u.metrics["heldout_acc"] <= 1 for u in updates[1].values())
     task = ScenarioTask.from_config(info.config)  # silos train on their partition less 20%
-    examples = sum(len(task.partition(pid)[1]) for pid in range(SILOS))
+    examples = sum(len(task.partition(pid)[1]) + len(task.client_test(pid)[1])
+                   for pid in range(SILOS))
     assert sum(u.num_examples + u.metrics["heldout_examples"]
                for u in updates[1].values()) == examples
     assert all(u.metrics["heldout_examples"] > 0 for u in updates[1].values())
