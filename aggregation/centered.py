@@ -65,33 +65,63 @@ class _Majority(RobustCombine):
 class CenteredClip(_Majority):
     """Centered clipping around the previous aggregate (see the module docstring).
 
-    ``radius`` 0 picks tau in each iteration as :func:`median_radius` of the distances to
-    the current centre; a positive ``radius`` fixes tau, as the paper's code does. Without
-    a previous aggregate (the first round) the centre is 0.
+    ``radius`` 0 picks tau in each iteration as ``scale`` times :func:`median_radius` of
+    the distances to the current centre; a positive ``radius`` fixes tau, as the paper's
+    code does (``scale`` must then be 1). Without a previous aggregate (the first round)
+    the centre is 0.
+
+    ``late_iterations`` (None: off): once ``late_after`` aggregates have been applied (an
+    aggregation against model version >= ``late_after``: in sync rounds, the rounds after
+    round ``late_after``), each aggregation runs that many iterations instead of
+    ``iterations``: many early, while the centre is far from the updates, fewer once it
+    follows them. The choice depends on the version alone, so a resumed run makes the
+    same one.
     """
 
     needs_center = True
 
-    def __init__(self, radius: float = 0.0, iterations: int = 3, f: int = 0) -> None:
+    def __init__(self, radius: float = 0.0, iterations: int = 3, f: int = 0,
+                 scale: float = 1.0, late_iterations: int | None = None,
+                 late_after: int = 0) -> None:
         super().__init__(f)
         self.radius = _finite_positive("clip_radius", radius, zero_ok=True)
         self.iterations = _count("clip_iterations", iterations, minimum=1)
+        self.scale = _finite_positive("clip_scale", scale)
+        if self.radius and self.scale != 1.0:
+            raise ValueError(f"clip_scale = {scale:g} scales the automatic radius (the median "
+                             f"distance), but clip_radius = {radius:g} fixes the radius: set "
+                             "clip_scale = 1 or clip_radius = 0")
+        self.late_iterations = None if late_iterations is None else \
+            _count("clip_iterations_late", late_iterations, minimum=1)
+        self.late_after = _count("clip_late_after", late_after)
         self.center: np.ndarray | None = None
+        self.version = 0
 
     def describe(self) -> str:
         return f"centered clipping with f={self.f}"
 
     def begin(self, *, version: int, center: np.ndarray | None) -> None:
         self.center = center
+        self.version = int(version)
+
+    def iterations_at(self, version: int) -> int:
+        """How many iterations an aggregation against model ``version`` runs."""
+        if self.late_iterations is not None and version >= self.late_after:
+            return self.late_iterations
+        return self.iterations
+
+    def radius_of(self, dist: np.ndarray) -> float:
+        """tau for one iteration, given the inputs' distances to the current centre."""
+        return self.radius or self.scale * median_radius(dist)
 
     def _combine(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         v = np.zeros(x.shape[1], dtype=np.float64) if self.center is None \
             else np.array(self.center, dtype=np.float64)
         share = w / w.sum()
-        for _ in range(self.iterations):
+        for _ in range(self.iterations_at(self.version)):
             diff = x - v  # float64, N x d
             dist = np.sqrt(np.einsum("ij,ij->i", diff, diff))
-            tau = self.radius or median_radius(dist)
+            tau = self.radius_of(dist)
             scale = np.minimum(1.0, tau / np.maximum(dist, np.finfo(np.float64).tiny))
             v = v + (share * scale) @ diff
         return v.astype(np.float32)

@@ -415,14 +415,16 @@ def _factory(kind: str) -> tuple[type[RobustCombine], tuple[str, ...], tuple[str
         return _FACTORIES[kind]
     from aggregation.centered import CenteredClip, GeometricMedian  # (it imports this module)
 
-    return {"centered_clip": (CenteredClip, (), ("radius", "iterations", "f")),
+    return {"centered_clip": (CenteredClip, (), ("radius", "iterations", "f", "scale",
+                                                 "late_iterations", "late_after")),
             "geometric_median": (GeometricMedian, (), ("nu", "iterations", "f"))}[kind]
 
 
 def make_robust_combine(kind: str, **params: Any) -> RobustCombine:
     """Build a robust combine by name: median, trimmed_mean(beta), krum(f),
     multikrum(f, m=None), bulyan(f, selection="iterated"), centered_clip(radius=0,
-    iterations=3, f=0), geometric_median(nu=1e-6, iterations=8, f=0)."""
+    iterations=3, f=0, scale=1, late_iterations=None, late_after=0),
+    geometric_median(nu=1e-6, iterations=8, f=0)."""
     if kind not in ROBUST_KINDS:
         raise ValueError(f"unknown robust combine '{kind}'; choose one of: "
                          f"{', '.join(ROBUST_KINDS)}")

@@ -18,6 +18,7 @@ from aggregation import (
 )
 from aggregation.bucketing import Bucketing
 from aggregation.combine import Combine
+from aggregation.nnm import NNM
 from aggregation.pipeline import PreCombine
 from aggregation.robust import ROBUST_KINDS, RobustCombine, make_robust_combine
 from aggregation.server_opt import SERVER_OPTIMIZERS
@@ -183,9 +184,13 @@ class AggregationConfig:
     """The pipeline: validation, weighting, combine and server optimizer.
 
     ``bucketing`` (0 or 1: off) averages random buckets of that many updates before a
-    robust combine. ``centered_clip`` clips to ``clip_radius`` around the previous
-    aggregate (0: the median distance, in each of ``clip_iterations``); under secure
-    aggregation the clients do it (``client_side``). ``geometric_median`` runs
+    robust combine; -1 picks ``n / (2 f)`` in each aggregation of ``n`` updates, the
+    bound a given size must also keep. ``nnm`` mixes each update with its ``n - f``
+    nearest (before bucketing). ``centered_clip`` clips to ``clip_radius`` around the
+    previous aggregate (0: ``clip_scale`` times the median distance, in each of
+    ``clip_iterations``; ``clip_iterations_late`` > 0 of them once ``clip_late_after``
+    aggregates are applied); under secure aggregation the clients do it
+    (``client_side``). ``geometric_median`` runs
     ``gm_iterations`` smoothed Weiszfeld steps with ``gm_nu``. ``client_momentum`` beta > 0:
     each client sends its momentum ``m <- beta m + (1 - beta) delta`` (its first delta
     as is) instead of its delta (worker momentum, Karimireddy, He, Jaggi, ICML 2021).
@@ -208,6 +213,10 @@ class AggregationConfig:
     bucketing: int = 0
     clip_radius: float = 0.0
     clip_iterations: int = 3
+    clip_scale: float = 1.0
+    clip_iterations_late: int = 0
+    clip_late_after: int = 0
+    nnm: bool = False
     gm_nu: float = 1e-6
     gm_iterations: int = 8
     client_momentum: float = 0.0
@@ -217,14 +226,38 @@ class AggregationConfig:
         check_choice("aggregation.server_opt", self.server_opt, SERVER_OPTIMIZERS)
         if self.max_norm < 0:
             raise ValueError("aggregation.max_norm must be >= 0 (0 means no bound)")
-        if self.bucketing < 0:
+        if self.bucketing < -1:
             raise ValueError(f"aggregation.bucketing must be >= 0 (the bucket size; 0 or 1: "
-                             f"no bucketing), got {self.bucketing}")
-        if self.bucketing > 1 and self.combine in LINEAR_COMBINES:
+                             f"no bucketing), or -1 (from aggregation.f), got "
+                             f"{self.bucketing}")
+        if self.bucketing not in (0, 1) and self.combine in LINEAR_COMBINES:
             raise ValueError(f"aggregation.bucketing = {self.bucketing} averages buckets "
                              f"before a robust combine; the mean of bucket means is the "
                              f"mean, so with aggregation.combine = '{self.combine}' set "
                              "aggregation.bucketing = 0")
+        if self.nnm and self.combine in LINEAR_COMBINES:
+            raise ValueError(f"aggregation.nnm mixes updates before a robust combine; the "
+                             f"mean of the mixes is no robust aggregate, so with "
+                             f"aggregation.combine = '{self.combine}' set aggregation.nnm = "
+                             "false")
+        if self.nnm and self.f < 1:
+            raise ValueError("aggregation.nnm mixes each update with its n - f nearest, and "
+                             "aggregation.f = 0 would mix all n: every update would become "
+                             "the mean, and the robust combine the mean; set aggregation.f to "
+                             "the number of attackers to defend against (>= 1)")
+        cc_keys = {"clip_scale": 1.0, "clip_iterations_late": 0, "clip_late_after": 0}
+        for key, default in cc_keys.items():
+            if getattr(self, key) != default and self.combine != "centered_clip":
+                raise ValueError(f"aggregation.{key} is read by centered clipping only; with "
+                                 f"aggregation.combine = '{self.combine}' remove it")
+        if self.clip_iterations_late < 0:
+            raise ValueError(f"aggregation.clip_iterations_late must be >= 1 (the clipping "
+                             f"iterations once aggregation.clip_late_after aggregates are "
+                             f"applied), or 0 for none, got {self.clip_iterations_late}")
+        if self.clip_late_after and not self.clip_iterations_late:
+            raise ValueError("aggregation.clip_late_after says when "
+                             "aggregation.clip_iterations_late starts, which is 0 (off): set "
+                             "it or remove aggregation.clip_late_after")
         if isinstance(self.client_momentum, bool) or \
                 not isinstance(self.client_momentum, int | float) or \
                 not 0 <= self.client_momentum < 1:
@@ -249,7 +282,9 @@ class AggregationConfig:
             "multikrum": {"f": self.f, "m": self.multikrum_m or None},
             "bulyan": {"f": self.f, "selection": self.bulyan_selection},
             "centered_clip": {"radius": self.clip_radius, "iterations": self.clip_iterations,
-                              "f": self.f},
+                              "f": self.f, "scale": self.clip_scale,
+                              "late_iterations": self.clip_iterations_late or None,
+                              "late_after": self.clip_late_after},
             "geometric_median": {"nu": self.gm_nu, "iterations": self.gm_iterations,
                                  "f": self.f},
         }[self.combine]
@@ -257,7 +292,10 @@ class AggregationConfig:
             combine = make_robust_combine(self.combine, **params)
         except ValueError as exc:
             raise ValueError(f"aggregation.combine = '{self.combine}': {exc}") from None
-        return Bucketing(combine, self.bucketing, seed) if self.bucketing > 1 else combine
+        if self.bucketing not in (0, 1):
+            combine = Bucketing(combine, None if self.bucketing == -1 else self.bucketing,
+                                seed, f=self.f)
+        return NNM(combine, self.f) if self.nnm else combine
 
     def client_side(self, secure: bool) -> bool:
         """Whether the clients clip around the centre themselves (centered clipping under

@@ -374,9 +374,18 @@ def check_client_side_clip(config: Mapping[str, Any]) -> None:
                          "the automatic radius is the median of: set aggregation.clip_radius "
                          "> 0 (e.g. the median distance of the updates to the previous "
                          "aggregate in a run without secagg)")
-    if agg.get("bucketing", 0) > 1:
+    if agg.get("bucketing", 0) not in (0, 1):
         raise ValueError("aggregation.bucketing averages individual updates, which the server "
                          "never sees under secagg: set aggregation.bucketing = 0")
+    if agg.get("nnm", False):
+        raise ValueError("aggregation.nnm mixes each update with its nearest ones, by "
+                         "distances between individual updates, which the server never sees "
+                         "under secagg (it learns only the sum): set aggregation.nnm = false")
+    if agg.get("clip_iterations_late", 0):
+        raise ValueError("aggregation.clip_iterations_late: under secagg each client clips "
+                         "once around the previous aggregate, a second iteration would need "
+                         "the other clients' updates: remove aggregation.clip_iterations_late "
+                         "and aggregation.clip_late_after")
     kind = dict(config.get("driver", {})).get("kind", "sync")
     if kind != "sync":
         raise ValueError(f"client-side centered clipping (aggregation.combine = "
