@@ -100,8 +100,8 @@ class Bucketing(RobustCombine):
                 f"{self.min_updates()}")
 
     def check(self, n_clients: int) -> None:
-        """Also refuse a fixed size above :func:`bucket_bound` for ``n_clients``."""
-        super().check(n_clients)
+        """Also refuse a fixed size above :func:`bucket_bound` for ``n_clients`` (first:
+        lowering the size is the fix)."""
         bound = bucket_bound(n_clients, self.f)
         if self.size is not None and self.size > bound:
             fix = f"<= {math.floor(bound)}" if bound >= 2 else "= 0"
@@ -112,6 +112,7 @@ class Bucketing(RobustCombine):
                 f"{self.f * self.size / n_clients:.2f} of the buckets, more than one half, "
                 f"and outvote the honest ones; set aggregation.bucketing {fix}, or -1 to "
                 "pick the size from aggregation.f")
+        super().check(n_clients)
 
     def size_for(self, n: int) -> int:
         """The bucket size of an aggregation of ``n`` updates."""

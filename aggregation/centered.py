@@ -122,7 +122,8 @@ class CenteredClip(_Majority):
             diff = x - v  # float64, N x d
             dist = np.sqrt(np.einsum("ij,ij->i", diff, diff))
             tau = self.radius_of(dist)
-            scale = np.minimum(1.0, tau / np.maximum(dist, np.finfo(np.float64).tiny))
+            with np.errstate(over="ignore"):  # an input at the centre: tau / tiny = inf
+                scale = np.minimum(1.0, tau / np.maximum(dist, np.finfo(np.float64).tiny))
             v = v + (share * scale) @ diff
         return v.astype(np.float32)
 
