@@ -187,10 +187,10 @@ class AggregationConfig:
     robust combine; -1 picks ``n / (2 f)`` in each aggregation of ``n`` updates, the
     bound a given size must also keep. ``nnm`` mixes each update with its ``n - f``
     nearest (before bucketing). ``centered_clip`` clips to ``clip_radius`` around the
-    previous aggregate (0: ``clip_scale`` times the median distance, in each of
-    ``clip_iterations``; ``clip_iterations_late`` > 0 of them once ``clip_late_after``
-    aggregates are applied); under secure aggregation the clients do it
-    (``client_side``). ``geometric_median`` runs
+    previous aggregate (0: ``clip_scale`` times the median distance) in each of
+    ``clip_iterations``, or of ``clip_iterations_late`` (0: off) once ``clip_late_after``
+    aggregates are applied; under secure aggregation the clients do it (``client_side``).
+    ``geometric_median`` runs
     ``gm_iterations`` smoothed Weiszfeld steps with ``gm_nu``. ``client_momentum`` beta > 0:
     each client sends its momentum ``m <- beta m + (1 - beta) delta`` (its first delta
     as is) instead of its delta (worker momentum, Karimireddy, He, Jaggi, ICML 2021).
