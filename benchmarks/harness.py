@@ -26,15 +26,45 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: ``N`` is the first N seeds (0..N-1), ``A-B`` the seeds A to B inclusive,
+    ``A,B,..`` those seeds, in that order (a range may be one item of a list: ``0-4,7``)."""
+    def fail(why: str) -> argparse.ArgumentTypeError:
+        return argparse.ArgumentTypeError(f"--seeds {text!r}: {why}; write a count (3), a "
+                                          "range (0-9) or a list (0,2,5)")
+
+    items = [item.strip() for item in text.split(",")]
+    if len(items) == 1 and items[0].isdigit():
+        count = int(items[0])
+        if count < 1:
+            raise fail("a count must be at least 1")
+        return list(range(count))
+    seeds: list[int] = []
+    for item in items:
+        low, dash, high = item.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise fail(f"{item!r} is not a seed or a range of seeds")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise fail(f"the range {item!r} runs backwards")
+        seeds.extend(range(first, last + 1))
+    if len(set(seeds)) != len(seeds):
+        raise fail("a seed is named twice")
+    return seeds
+
+
 def seeds_args(doc: str, quick_help: str, plot_name: str,
                more: Callable[[argparse.ArgumentParser], Any] | None = None
                ) -> argparse.Namespace:
-    """The command line of a benchmark over seeds, parsed: ``--quick``, ``--seeds`` (a list:
-    3 seeds, 1 in quick mode), ``--plot`` (a Path: docs/``plot_name`` unless given; None in
-    quick mode unless given) and ``--threads`` (set in torch); ``more`` adds arguments."""
+    """The command line of a benchmark over seeds, parsed: ``--quick``, ``--seeds`` (a list,
+    see :func:`parse_seeds`: 3 seeds, 1 in quick mode), ``--plot`` (a Path:
+    docs/``plot_name`` unless given; None in quick mode unless given) and ``--threads`` (set
+    in torch); ``more`` adds arguments."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--seeds", type=int, default=None, help="seeds (default 3, quick 1)")
+    parser.add_argument("--seeds", type=parse_seeds, default=None,
+                        help="a count N (seeds 0..N-1), a range A-B (one seed: 5-5) or a "
+                             "list A,B,.. (default 3 seeds, quick 1)")
     if more is not None:
         more(parser)
     parser.add_argument("--plot", default=None,
@@ -44,7 +74,7 @@ def seeds_args(doc: str, quick_help: str, plot_name: str,
     import torch
 
     torch.set_num_threads(args.threads)
-    args.seeds = list(range(args.seeds or (1 if args.quick else 3)))
+    args.seeds = args.seeds or list(range(1 if args.quick else 3))
     args.plot = (Path(args.plot or ROOT / "docs" / plot_name) if args.plot or not args.quick
                  else None)
     return args

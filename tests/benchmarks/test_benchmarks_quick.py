@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -296,7 +297,9 @@ def test_robustness_quick() -> None:
     result = run_quick("robustness.py")
     assert result["benchmark"] == "robustness" and result["quick"] is True
     assert result["plot"] is None and list(result["results"]) == ["iid"]
-    quick_combines = {"mean", "geometric_median", "cc_bucketing_m", "cc_secagg_m"}
+    quick_combines = {"mean", "geometric_median", "cc_bucketing_m", "cc_secagg_m", "cc_nnm_m",
+                      "cc_secagg_mu"}
+    secure = ("cc_secagg_m", "cc_secagg_mu")
     quick_attacks = {"none", "sign_flip", "alie", "ipm"}
     table = result["results"]["iid"]
     assert set(table) == {"none", "sign_flip", "scale", "gaussian_noise", "label_flip",
@@ -305,15 +308,16 @@ def test_robustness_quick() -> None:
         for combine, acc in row.items():
             # run: the quick cells, except the omniscient attacks under secure aggregation
             ran = attack in quick_attacks and combine in quick_combines and not (
-                attack in ("alie", "ipm") and combine == "cc_secagg_m")
+                attack in ("alie", "ipm") and combine in secure)
             assert (acc is not None) == ran, (attack, combine)
             assert acc is None or 0 <= acc <= 1, (attack, combine, acc)
-    assert len(result["runs"]) == 14
+    assert len(result["runs"]) == 20
     attackers = list(choose_attackers(0.2, 20, seed=0))
     for run in result["runs"]:  # the clients that reported attacking are the chosen 20%
         # the recommended settings run with server momentum, the controls without
-        assert run["server_opt"] == ("fedavgm" if run["combine"].endswith("_m") else "fedavg")
-        if run["combine"] == "cc_secagg_m":  # the secure sum keeps no per-client metrics
+        assert run["server_opt"] == ("fedavgm" if run["combine"].startswith("cc_") else
+                                     "fedavg")
+        if run["combine"] in secure:  # the secure sum keeps no per-client metrics
             assert run["attackers"] in ([], attackers), run
             assert run["clip_radius"] > 0
             continue
@@ -321,6 +325,52 @@ def test_robustness_quick() -> None:
     assert result["targets"] == {}  # no Dirichlet cells in quick mode
     assert all(isinstance(v, bool) for v in result["sanity"].values())
     assert all(run["client_momentum"] == 0 for run in result["runs"])
+
+
+@pytest.mark.slow
+def test_robustness_seed_study_quick() -> None:
+    from simulations.attacks import choose_attackers
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from harness import parse_seeds
+
+    assert parse_seeds("3") == [0, 1, 2] and parse_seeds("5-9") == [5, 6, 7, 8, 9]
+    assert parse_seeds("0,2,5") == [0, 2, 5] and parse_seeds("0-1,7") == [0, 1, 7]
+    for bad in ("0", "9-5", "1,1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--seeds"):
+            parse_seeds(bad)
+    args = ("--workload", "default", "--seeds", "1-2", "--attacks", "sign_flip",
+            "--combines", "cc_bucketing_m")
+    result = run_quick("robustness.py", extra=(*args, "--diagnose"))
+    assert result["seeds"] == [1, 2] and result["plot"] is None
+    runs = {(r["seed"], r["attack"], r["combine"]): r for r in result["runs"]}
+    assert set(runs) == {(s, a, c) for s in (1, 2) for a, c in
+                         (("none", "mean"), ("sign_flip", "cc_bucketing_m"))}
+    cell = result["per_seed"]["dirichlet"]["sign_flip"]["cc_bucketing_m"]
+    acc = {s: runs[(s, "sign_flip", "cc_bucketing_m")]["accuracy"] for s in (1, 2)}
+    gaps = {s: runs[(s, "none", "mean")]["accuracy"] - acc[s] for s in (1, 2)}
+    assert cell["seeds"] == [1, 2] and cell["worst"] == min(acc.values())
+    assert acc[cell["worst_seed"]] == cell["worst"]
+    assert cell["gap"] == {str(s): pytest.approx(g, abs=1e-4) for s, g in gaps.items()}
+    assert cell["gap_mean"] == pytest.approx(sum(gaps.values()) / 2, abs=1e-4)
+    assert cell["gap_worst"] == pytest.approx(max(gaps.values()), abs=1e-4)
+    assert cell["std"] == pytest.approx(abs(acc[1] - acc[2]) / 2, abs=1e-4)
+    goal = result["seed_targets"]["cc_bucketing_m"]["attacks"]["sign_flip"]
+    assert goal["met"] == (cell["gap_mean"] <= 0.03 and cell["gap_worst"] <= 0.06)
+    facts = {f["seed"]: f for f in result["diagnosis"]["partitions"]}
+    for s in (1, 2):
+        assert facts[s]["attackers"] == list(choose_attackers(0.2, 20, s))
+        assert 0 < facts[s]["attacker_examples_share"] < 1
+        assert len(facts[s]["attacker_class_share"]) == 10
+        rounds = runs[(s, "sign_flip", "cc_bucketing_m")]["rounds"]
+        assert len(rounds) == 2 and all(r["tau"] > 0 for r in rounds)
+        # 4 attackers in 10 buckets of 2: at least 2 buckets hold one
+        assert all(r["attacker_to_center"] is not None for r in rounds)
+        assert "rounds" not in runs[(s, "none", "mean")]
+    # the probe reads the runs without changing them
+    plain = run_quick("robustness.py", extra=args)
+    assert {(r["seed"], r["combine"]): r["accuracy"] for r in plain["runs"]} == \
+        {(s, c): r["accuracy"] for (s, _, c), r in runs.items()}
 
 
 @pytest.mark.slow
