@@ -19,14 +19,14 @@ Each attack, and a run without attackers, is aggregated with FedAvg (``mean``), 
 ``centered_clip`` alone, with ``bucketing`` = 2, and with bucketing and server momentum
 0.9 (``cc_bucketing_m``: the recommended setting before the seed study; the source paper
 runs centered clipping with momentum), with server momentum alone (``cc_m``), after
-nearest-neighbour mixing with uniform weights and server momentum (``cc_nnm_m``, f = 4:
-the recommended setting), and centered clipping on the clients under secure aggregation,
-without and with server momentum (``cc_secagg``, ``cc_secagg_m``; ``cc_secagg_mu``: with
-uniform weights, the recommended secure setting: SecAgg+, one clipping step around the
-previous aggregate with the radius set to the median update norm of that seed's
-attack-free FedAvg run, the server sums). alie and ipm need every honest update,
-which no one sees under secure aggregation: they do not run there. Partitions are IID
-and Dirichlet(0.5) label skew (fedring's default).
+nearest-neighbour mixing with uniform weights and server momentum 0.8 (``cc_nnm_m``,
+f = 4: the recommended setting), and centered clipping on the clients under secure
+aggregation, without and with server momentum (``cc_secagg``, ``cc_secagg_m``;
+``cc_secagg_mu``: with uniform weights and server momentum 0.8, the recommended secure
+setting: SecAgg+, one clipping step around the previous aggregate with the radius set to
+the median update norm of that seed's attack-free FedAvg run, the server sums). alie and
+ipm need every honest update, which no one sees under secure aggregation: they do not run
+there. Partitions are IID and Dirichlet(0.5) label skew (fedring's default).
 
 Which cells run: ``--full`` runs every partitioner, seed, attack and combine. The default
 plan fits a shared 2-core machine: on Dirichlet(0.5), every seed for FedAvg, FedAvgM and
@@ -114,6 +114,7 @@ ATTACKS: dict[str, dict[str, Any]] = {
 OMNISCIENT = ("alie", "ipm")
 F = round(FRACTION * CLIENTS)
 SERVER_MOMENTUM = {"aggregation.server_opt": "fedavgm", "aggregation.momentum": 0.9}
+MOMENTUM_08 = {**SERVER_MOMENTUM, "aggregation.momentum": 0.8}  # the seed study's choice
 COMBINES: dict[str, dict[str, Any]] = {
     "mean": {"aggregation.combine": "mean"},
     "mean_m": {"aggregation.combine": "mean", **SERVER_MOMENTUM},
@@ -131,12 +132,12 @@ COMBINES: dict[str, dict[str, Any]] = {
                        **SERVER_MOMENTUM},
     "cc_m": {"aggregation.combine": "centered_clip", **SERVER_MOMENTUM},
     "cc_nnm_m": {"aggregation.combine": "centered_clip", "aggregation.nnm": True,
-                 "aggregation.f": F, "aggregation.weight_by": "uniform", **SERVER_MOMENTUM},
+                 "aggregation.f": F, "aggregation.weight_by": "uniform", **MOMENTUM_08},
     "cc_secagg": {"aggregation.combine": "centered_clip", "secagg.enabled": True},
     "cc_secagg_m": {"aggregation.combine": "centered_clip", "secagg.enabled": True,
                     **SERVER_MOMENTUM},
     "cc_secagg_mu": {"aggregation.combine": "centered_clip", "secagg.enabled": True,
-                     "aggregation.weight_by": "uniform", **SERVER_MOMENTUM},
+                     "aggregation.weight_by": "uniform", **MOMENTUM_08},
 }
 SECURE_CC = ("cc_secagg", "cc_secagg_m", "cc_secagg_mu")  # client-side clipping: the radius is set
 CONTROLS = ("mean", "mean_m")  # --set leaves these as they are
@@ -145,10 +146,10 @@ LABELS = {"mean": "FedAvg", "mean_m": "FedAvgM", "median": "median",
           "trimmed_b2": "trimmed mean\n+ bucketing 2", "krum": "Krum", "bulyan": "Bulyan",
           "geometric_median": "geo. median", "centered_clip": "CC",
           "cc_bucketing": "CC + bucketing 2", "cc_bucketing_m": "CC + bucketing 2\n+ FedAvgM",
-          "cc_m": "CC + FedAvgM", "cc_nnm_m": "NNM + CC + FedAvgM\n(uniform weights)",
+          "cc_m": "CC + FedAvgM", "cc_nnm_m": "NNM + CC + FedAvgM 0.8\n(uniform weights)",
           "cc_secagg": "CC on clients\n(secagg)",
           "cc_secagg_m": "CC on clients\n(secagg) + FedAvgM",
-          "cc_secagg_mu": "CC on clients (secagg)\n+ FedAvgM (uniform weights)"}
+          "cc_secagg_mu": "CC on clients (secagg)\n+ FedAvgM 0.8 (uniform weights)"}
 PARTITIONERS = ("iid", "dirichlet")
 RECOMMENDED = ("mean", "mean_m", "cc_bucketing_m", "cc_secagg_m", "cc_nnm_m", "cc_secagg_mu")
 # --workload default: the controls, the recommended settings and the ones they replace
