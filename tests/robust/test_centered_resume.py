@@ -1,5 +1,7 @@
 """A centered-clipping run resumed from its checkpoint clips around the same centre and
-ends where an uninterrupted run does."""
+ends where an uninterrupted run does: alone over buckets, and with every defence key on
+(mixing, buckets from f, a scaled radius, fewer clipping iterations late), whose state is
+the checkpointed centre and what follows from the seed and the model version."""
 
 from __future__ import annotations
 
@@ -20,11 +22,18 @@ class Crash(Exception):
     pass
 
 
-def test_resume_restores_the_centre(tmp_path):
-    cfg = load_scenario("default", [
-        "federation.clients=6", "federation.rounds=3", "train.local_epochs=1",
-        "aggregation.combine=centered_clip", "aggregation.bucketing=2",
-        "federation.checkpoint_every=1", "attack.fraction=0.34", "attack.kind=scale"])
+BASE = ["federation.clients=6", "federation.rounds=3", "train.local_epochs=1",
+        "aggregation.combine=centered_clip", "federation.checkpoint_every=1"]
+BUCKETS = ["aggregation.bucketing=2", "attack.fraction=0.34", "attack.kind=scale"]
+EVERY_DEFENCE = ["attack.fraction=0.17", "attack.kind=sign_flip", "aggregation.f=1",
+                 "aggregation.nnm=true", "aggregation.bucketing=-1",
+                 "aggregation.clip_scale=1.5", "aggregation.clip_iterations_late=1",
+                 "aggregation.clip_late_after=2"]
+
+
+@pytest.mark.parametrize("overrides", [BUCKETS, EVERY_DEFENCE], ids=["buckets", "every_key"])
+def test_resume_restores_the_centre(tmp_path, overrides):
+    cfg = load_scenario("default", [*BASE, *overrides])
     db = f"sqlite:///{tmp_path / 'store.db'}"
     clean = run_simulation(cfg, engine="inprocess", db=db)
 
