@@ -20,11 +20,12 @@ import server.secure_round as secure_round_module
 from client.app import MESSAGE_REFUSED, refuse_unusable_messages
 from client.protocol.keys import ConfigKey, MetricKey
 from client.secure_client import MIN_SURVIVORS_KEY, client_policy, register_secagg
-from privacy.secagg import MECHANICS_ONLY, SecAggConfig, SecAggPolicy, SecAggServer, Stage
+from privacy.secagg import SecAggConfig, SecAggServer, Stage
 from privacy.secagg import messages as m
 from server.secagg_config import SecAggScenarioConfig
 from server.secure_round import secure_round
 from simulations.inprocess import InProcessGrid
+from tests.weak_secagg import WeakSettings
 
 DIM = 40
 DISCONNECTED_SEED = hashlib.sha256(b"disconnected-5514").digest()  # n = 8, k = 3: two K4s
@@ -55,19 +56,6 @@ def app_and_log(n: int) -> tuple[ClientApp, list[tuple[int, str]], list[Message]
         return reply
 
     return recording, trained, replies  # type: ignore[return-value]
-
-
-class WeakSettings(SecAggScenarioConfig):
-    """A server configured below the policy: the graph it is told to use, no checks."""
-
-    forced: tuple[int, int] = (0, 0)
-
-    def graph(self, n: int) -> tuple[int, int]:
-        return self.forced
-
-    @property
-    def policy(self) -> SecAggPolicy:
-        return MECHANICS_ONLY
 
 
 def weak(k: int, t: int) -> WeakSettings:

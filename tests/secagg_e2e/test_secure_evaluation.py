@@ -31,7 +31,6 @@ from client.protocol.keys import ConfigKey, MetricKey, RecordName
 from client.protocol.secagg import SecAggKey, SecAggRecord
 from client.protocol.updates import model_record
 from client.secure_client import MIN_SURVIVORS_KEY, register_secagg
-from privacy.secagg import MECHANICS_ONLY, SecAggPolicy
 from privacy.secagg.eval_words import STEP, EvalWords
 from privacy.secagg.messages import read_header
 from privacy.secagg.quantize import LOSS_RANGE
@@ -48,6 +47,7 @@ from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
 from simulations.module_task import make_task
 from tests.recording_grid import RecordsReplies
+from tests.weak_secagg import WeakSettings
 
 CLIENTS = 5
 BN_TASK = str(Path(__file__).with_name("bn_cnn_task.py"))
@@ -229,19 +229,6 @@ def test_own_model_figures_need_every_survivor(tmp_path):
         _, metrics = secure_evaluate(ctx, "run-d", 1, list(range(1, CLIENTS + 1)))
     assert metrics["federated_clients"] == CLIENTS and "federated_accuracy" in metrics
     assert not any(key.endswith("_personal") for key in metrics)
-
-
-class WeakSettings(SecAggScenarioConfig):
-    """A server configured below the policy: the graph it is told to use, no checks."""
-
-    forced: tuple[int, int] = (0, 0)
-
-    def graph(self, n: int) -> tuple[int, int]:
-        return self.forced
-
-    @property
-    def policy(self) -> SecAggPolicy:
-        return MECHANICS_ONLY
 
 
 def counting_app(evaluated: list[int]) -> ClientApp:
