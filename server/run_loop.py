@@ -34,6 +34,7 @@ class RunLoop:
         self.audit = audit
         self.stop_reason: str | None = None
         self.failed = False  # stopped after federation.max_failed_rounds empty rounds
+        self._checkpointed = -1  # the round of the last checkpoint this process saved
         self._failed_streak: list[str] = []  # why each of the last rounds applied nothing
         self._earlier_wall_s = 0.0  # a resumed run's rounds from before this process
         self.resumed_after: int | None = None
@@ -60,6 +61,7 @@ class RunLoop:
                     rnd = state.round + 1
                     t0 = time.perf_counter()
                     self.finish_round(run_id, rnd, self.source.next_round(run_id, rnd), t0)
+                self._checkpoint(run_id)  # the last round, however the run ended
                 ctx.store.flush()  # the last checkpoint is written off the round's path
             except BaseException:
                 ctx.store.finish_run(run_id, status="failed")
@@ -89,7 +91,7 @@ class RunLoop:
                              f"the model has {state.params.size}")
         state.params = np.array(ckpt.params, dtype=np.float32)
         state.version = ckpt.model_version
-        state.round = ckpt.round
+        state.round = self._checkpointed = ckpt.round
         ctx.pipeline.load_state_dict(ckpt.state.get("pipeline", {}))
         if ctx.dp is not None:
             ctx.dp.load_state_dict(ckpt.state["dp"])
@@ -156,13 +158,8 @@ class RunLoop:
         if result.secure is not None:
             ctx.store.record_secagg_round(run_id, round=rnd, **result.secure.session_record())
         state.history.append(metrics)
-        if central and ctx.fed.checkpoint_every and (rnd % ctx.fed.checkpoint_every == 0
-                                                     or rnd == ctx.fed.rounds):
-            # Written on the store's writer thread while the next round runs.
-            ctx.store.save_checkpoint_in_background(
-                run_id, round=rnd, model_version=state.version, params=state.params,
-                state={"pipeline": ctx.pipeline.state_dict(),
-                       "dp": ctx.dp.state_dict() if ctx.dp else {}})
+        if ctx.fed.checkpoint_every and rnd % ctx.fed.checkpoint_every == 0:
+            self._checkpoint(run_id)
         shown = {**metrics, **{k: float(v) for k, v in counts.items()}}
         if result.secure is not None:  # the secure round's outcome, for the round's line
             shown.update(secure_survivors=float(len(result.secure.survivors)),
@@ -171,6 +168,21 @@ class RunLoop:
         return metrics
 
     # ---- helpers
+
+    def _checkpoint(self, run_id: str) -> None:
+        """Save the model after the current round unless it is saved already (checkpoints
+        on: every ``federation.checkpoint_every`` rounds and after the last round run, also
+        when a target, a budget or failed rounds stopped the run early); written on the
+        store's writer thread while the next round runs."""
+        ctx, state = self.ctx, self.ctx.state
+        if (not self.source.central_model or not ctx.fed.checkpoint_every
+                or state.round in (0, self._checkpointed)):
+            return
+        ctx.store.save_checkpoint_in_background(
+            run_id, round=state.round, model_version=state.version, params=state.params,
+            state={"pipeline": ctx.pipeline.state_dict(),
+                   "dp": ctx.dp.state_dict() if ctx.dp else {}})
+        self._checkpointed = state.round
 
     def _federated(self, run_id: str, rnd: int,
                    result: RoundResult) -> tuple[list[EvalRecord], dict[str, float]]:
@@ -219,9 +231,11 @@ class RunLoop:
                                       epsilon_replace_one=spent.epsilon_replace_one,
                                       relation_model=spent.relation_model)
         metrics.update(epsilon=spent.epsilon, clip=spent.clip)
-        for key in ("epsilon_replace_one", "epsilon_model"):
+        for key in ("epsilon_replace_one", "epsilon_model", "noise_to_signal"):
             if getattr(spent, key) is not None:
                 metrics[key] = getattr(spent, key)
+        if spent.hint is not None:  # central noise stayed above the mean clipped update
+            self.ctx.reporter.message(spent.hint)
 
     def _should_stop(self) -> bool:
         """Stop before the next round: the privacy budget, the target, the source or too
