@@ -246,6 +246,10 @@ class RunLoop:
             self.stop_reason = f"stopped before round {self.ctx.state.round + 1}: {why}"
             self.ctx.reporter.message(self.stop_reason)
             return True
+        if self._target_reached() and self.ctx.state.round == 0:  # not a failed run
+            self.stop_reason = ("stopped before round 1: the initial model already reaches "
+                                "driver.target_accuracy")
+            self.ctx.reporter.message(self.stop_reason)
         return self._target_reached()
 
     def _too_many_failed(self) -> str | None:

@@ -73,3 +73,13 @@ def test_a_resumed_run_reports_its_part_and_the_whole_runs_wall_time(tmp_path):
         stored = store.get_run(run.run_id).summary
     assert stored["wall_s"] == summary["wall_s"]
     assert stored["wall_s_total"] == summary["wall_s_total"]
+
+
+def test_a_target_the_initial_model_meets_stops_the_run_without_calling_it_failed(tmp_path):
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    config = load_scenario("default", [*FAST, "federation.rounds=3",
+                                       "driver.target_accuracy=0.01"])
+    summary = run_simulation(config, engine="inprocess", db=db)
+    assert summary["rounds"] == 0 and summary["status"] == "stopped"
+    assert summary["stop_reason"] == ("stopped before round 1: the initial model already "
+                                      "reaches driver.target_accuracy")
