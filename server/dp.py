@@ -21,6 +21,13 @@ the aggregation pipeline:
   is charged the plan's effective multiplier for the clients whose noise is in the sum
   (see ``privacy.dp.distributed`` for the accounting approximation).
 
+Noise to signal (central DP only): ``CentralNoise`` records each round's L2 norm of the
+noise it added over that of the clipped sum it was added to (both are divided by the
+same count, so this is the noise's norm over the mean clipped update's, on the released
+scale). Under local and distributed DP the server never sees the noise apart from the
+updates, so no ratio is recorded. When it stays above 1 for :data:`HINT_ROUNDS` released
+rounds in a row, the run warns once with the keys that help (:func:`noise_hint`).
+
 The noise generator is seeded from the operating system, never from the run seed:
 DP noise that can be replayed from public values protects nothing.
 
@@ -65,6 +72,7 @@ task), since who can be sampled would then depend on earlier, secret cohorts.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,10 +100,43 @@ class RoundPrivacy:
     epsilon_replace_one: float | None = None  # against the same party, where ``relation`` differs
     epsilon_model: float | None = None  # against the released model's consumers, if it differs
     relation_model: str | None = None
+    noise_to_signal: float | None = None  # central DP: the round's noise norm / signal norm
+    hint: str | None = None  # the warning that the noise drowns the updates, the round it fires
 
 
 SERVER = "server"
 RELEASED_MODEL = "released model"
+HINT_ROUNDS = 3  # released rounds in a row with noise over signal above 1 before the hint
+
+
+def noise_hint(last: float, *, cohort: int, noise_multiplier: float,
+               median_norm: float | None, clip: float) -> str:
+    """The warning for a run whose central noise outweighs the mean clipped update, with the
+    keys that lower the ratio: it falls as 1 / clients per round at best (the noise on the
+    mean shrinks, the mean update stays or shrinks) and with the multiplier; the clip
+    scales noise and clipped updates alike, so a smaller one helps only where most updates
+    stay below it."""
+    finite = bool(np.isfinite(last))
+    shown = f"{last:.3g}" if finite else "inf (a zero sum)"
+    more = f"at least {int(np.ceil(cohort * last))} instead of {cohort} for a ratio of 1: " \
+        if finite else ""
+    smaller = f"below {noise_multiplier / last:.2g} at this cohort, " if finite else ""
+    if median_norm is None:  # the clients clipped (secure aggregation): no norm seen
+        clip_text = ("dp.clip: the noise grows with it, the updates only up to their norms, "
+                     "so a clip above most updates' norms adds noise without signal")
+    elif median_norm < clip:
+        clip_text = (f"a smaller dp.clip, near the updates' median norm {median_norm:.3g} "
+                     f"(now {clip:.3g}): the noise grows with the clip, the updates only "
+                     "up to their norms")
+    else:
+        clip_text = (f"dp.clip scales noise and signal alike while the updates reach it "
+                     f"(median norm {median_norm:.3g}, clip {clip:.3g}): a larger clip takes "
+                     "larger steps, not cleaner ones")
+    return (f"central DP: noise to signal stayed above 1 for {HINT_ROUNDS} rounds in a row "
+            f"({shown} in the last): each round's model change is mostly noise, so learning "
+            f"relies on it averaging out over rounds and may stall. What lowers it: more "
+            f"clients per round ({more}federation.clients, federation.sample_fraction); a "
+            f"smaller dp.noise_multiplier ({smaller}for a higher epsilon); {clip_text}")
 
 
 @dataclass(frozen=True)
@@ -171,6 +212,10 @@ class DPController:
         self._below = 0
         self._reported = 0
         self._cohort: tuple[int, int] | None = None  # this round's (population, cohort size)
+        self._noise: float | None = None  # this round's noise norm over the signal's
+        self._norms: list[float] = []  # this round's unclipped norms (plain central DP)
+        self._ratios: deque[float] = deque(maxlen=HINT_ROUNDS)  # the last released rounds'
+        self.hint: str | None = None  # the noise-to-signal warning, once it fired
         self.plan: DistributedDPPlan | None = None  # distributed DP, once the model is known
         # the multiplier a full round is charged (distributed DP: the plan's effective one)
         self.round_noise_multiplier = config.noise_multiplier
@@ -235,6 +280,7 @@ class DPController:
     def observe(self, norm: float) -> None:
         """Count a client whose unclipped norm is within the clip (adaptive clipping)."""
         self._reported += 1
+        self._norms.append(float(norm))
         if norm <= self.clip:
             self._below += 1
 
@@ -284,6 +330,7 @@ class DPController:
         """
         clip = self.clip
         z = self.round_noise_multiplier if noise_multiplier is None else noise_multiplier
+        ratio, hint = self._noise_to_signal(released, clip)
         if released:
             for accountant in self.accountants.values():
                 population, cohort = (self._cohort if accountant.sampling == "fixed"
@@ -301,7 +348,31 @@ class DPController:
                             protects_against=self.protects_against, relation=self.relation,
                             epsilon_replace_one=figures.get("epsilon_replace_one"),
                             epsilon_model=figures.get("epsilon_model"),
-                            relation_model=self.model_relation)
+                            relation_model=self.model_relation,
+                            noise_to_signal=ratio if ratio is None or np.isfinite(ratio)
+                            else None, hint=hint)
+
+    def note_noise(self, noise_norm: float, signal_norm: float) -> None:
+        """This round's central noise and the clipped sum it was added to, by their L2
+        norms (what :meth:`end_round` records as noise to signal)."""
+        self._noise = (noise_norm / signal_norm if signal_norm > 0
+                       else 0.0 if noise_norm == 0 else float("inf"))
+
+    def _noise_to_signal(self, released: bool, clip: float) -> tuple[float | None, str | None]:
+        """The round's ratio (None without central noise) and the hint, the round it fires."""
+        ratio, norms = self._noise, self._norms
+        self._noise, self._norms = None, []
+        if not released or ratio is None:
+            return None, None
+        self._ratios.append(ratio)
+        if (self.hint is not None or len(self._ratios) < HINT_ROUNDS
+                or not all(r > 1 for r in self._ratios)):
+            return ratio, None
+        self.hint = noise_hint(ratio, cohort=self.clients_per_round,
+                               noise_multiplier=self.config.noise_multiplier,
+                               median_norm=float(np.median(norms)) if norms else None,
+                               clip=clip)
+        return ratio, self.hint
 
     def figures(self) -> dict[str, float]:
         """Every figure spent so far, by key (see :func:`figure_specs`)."""
@@ -335,6 +406,8 @@ class DPController:
         if "epsilon_model" in figures:
             out.update(epsilon_model=figures["epsilon_model"],
                        relation_model=self.model_relation)
+        if self.hint is not None:  # central noise stayed above the mean clipped update
+            out["dp_hint"] = self.hint
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -342,6 +415,8 @@ class DPController:
                                              for key, acc in self.accountants.items()}}
         if self.adaptive is not None:
             state["adaptive_clip"] = self.adaptive.state_dict()
+        if self.config.mode == "central":  # the noise-to-signal hint's progress
+            state["noise_to_signal"] = {"ratios": list(self._ratios), "hint": self.hint}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -360,6 +435,9 @@ class DPController:
                     acc.step(n, z, population=population, cohort=size)
         if self.adaptive is not None and "adaptive_clip" in state:
             self.adaptive.load_state_dict(state["adaptive_clip"])
+        hint = state.get("noise_to_signal", {})
+        self._ratios = deque((float(r) for r in hint.get("ratios", [])), maxlen=HINT_ROUNDS)
+        self.hint = hint.get("hint")
 
     def stages(self) -> tuple[list[UpdateStage], list[PostStage]]:
         """The pipeline stages central DP adds (none for local DP, which runs on clients)."""
@@ -384,15 +462,28 @@ class DPClip(UpdateStage):
 
 
 class CentralNoise(PostStage):
-    """(clipped sum + N(0, (z C)^2)) / expected clients per round."""
+    """(clipped sum + N(0, (z C)^2)) / expected clients per round; notes the noise's norm
+    over the clipped sum's (the same over the mean: both are divided by the same count)."""
 
     def __init__(self, controller: DPController) -> None:
         self.controller = controller
 
     def apply(self, aggregate: np.ndarray, total_weight: float, count: int) -> np.ndarray:
         c = self.controller
-        return central_dp_mean(aggregate, c.clients_per_round, c.clip,
-                               c.update_noise_multiplier, c.rng)
+        summed = np.asarray(aggregate, dtype=np.float32)
+        out = central_dp_mean(summed, c.clients_per_round, c.clip,
+                              c.update_noise_multiplier, c.rng)
+        c.note_noise(_added_noise_norm(out, summed, c.clients_per_round),
+                     float(np.linalg.norm(summed)))
+        return out
+
+
+def _added_noise_norm(released: np.ndarray, summed: np.ndarray, count: int) -> float:
+    """The L2 norm of the noise in ``released = (summed + noise) / count``: read back from
+    what was released, so it is the noise actually added, whatever drew it."""
+    noise = released * np.float32(count)
+    noise -= summed
+    return float(np.linalg.norm(noise))
 
 
 def dp_controller(dp: DPConfig, fed: FederationConfig) -> DPController:

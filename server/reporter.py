@@ -62,10 +62,18 @@ def figures_line(relations: dict[str, str], against: dict[str, str]) -> str:
         f"{key} against the {against[key]} ({relations[key]})" for key in relations)
 
 
+def noise_text(metrics: dict[str, float]) -> str:
+    """``n/s 1.23``: central DP's noise norm over the mean clipped update's, where the round
+    recorded it; else ""."""
+    value = metrics.get("noise_to_signal")
+    return "" if value is None else f"n/s {value:.3g}"
+
+
 def round_line(rnd: int, rounds: int | None, metrics: dict[str, float],
                relations: dict[str, str] | None = None) -> str:
     """One line on a finished round: accuracy, loss, the updates' fates, the privacy
-    figures with their relations where DP is on, and a secure round's outcome
+    figures with their relations where DP is on, central DP's noise to signal
+    (:func:`noise_text`), and a secure round's outcome
     (``secure_survivors``, ``secure_aborted``); on a round that evaluated on the clients,
     their accuracy with its 10th percentile and minimum (:func:`federated_text`)."""
     parts = [f"{key} {metrics[key]:.4f}" for key in ("accuracy", "loss") if key in metrics]
@@ -76,6 +84,8 @@ def round_line(rnd: int, rounds: int | None, metrics: dict[str, float],
     for key in PRIVACY_FIGURES:
         if key in metrics:
             parts.append(figure_text(key, metrics[key], relations or {}))
+    if noise := noise_text(metrics):
+        parts.append(noise)
     if metrics.get("secure_aborted"):
         parts.append("secure round aborted")
     elif "secure_survivors" in metrics:

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from server.reporter import Reporter, federated_text, figures_line
+from server.reporter import Reporter, federated_text, figures_line, log, noise_text
 
 REFRESH_S = 0.1  # Rich redraws a live display 10 times a second
 
@@ -56,6 +56,8 @@ class RichReporter(Reporter):
                 f"acc {metrics.get('accuracy', float('nan')):.4f}")
         if "epsilon" in metrics:  # privacy spent so far, after every round
             info += f"  eps {metrics['epsilon']:.3g} {self._relation}".rstrip()
+        if noise := noise_text(metrics):  # central DP: noise norm over the mean update's
+            info += f"  {noise}"
         if "dp_sgd_epsilon" in metrics:  # the largest client's DP-SGD figure (sample-level)
             info += f"  dp-sgd eps {metrics['dp_sgd_epsilon']:.3g}"
         if metrics.get("secagg_clipped"):  # values clipped under secure aggregation
@@ -72,4 +74,6 @@ class RichReporter(Reporter):
         self.progress.console.print(figures_line(relations, against))
 
     def message(self, text: str) -> None:
+        """Shown above the bars and logged as a warning (as ``LogReporter`` does)."""
         self.progress.console.print(f"[yellow]{text}")
+        log.warning("%s", text)
