@@ -59,6 +59,7 @@ from server.config import AggregationConfig
 from server.cross_silo_config import SiloConfig
 from server.exchange import collect, push
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss
+from server.settle import unreachable
 from server.store import UpdateRecord
 
 MISSING, ERROR = "missing", "error"  # reply states besides the silo's own statuses
@@ -94,6 +95,9 @@ def decode_reply(node: int, rank: int, reply: Message | None,
     if reply is None:
         return SiloReply(node, rank, MISSING, "no reply before the deadline: the silo hung "
                                               "or died")
+    gone = unreachable(reply, node)
+    if gone is not None:  # the SuperLink's reply: the silo is gone, as a silent one
+        return SiloReply(node, rank, MISSING, gone)
     if reply.has_error():
         return SiloReply(node, rank, ERROR, f"silo error {reply.error.code}: "
                                             f"{_first_line(reply.error.reason)}")
@@ -228,7 +232,8 @@ def judge_failures(order: list[int], replies: dict[int, Message], *,
     outcome = CrossSiloOutcome(order=list(order), silos=silos)
     named = {rank for s in silos for rank in s.peers}
     for s in silos:
-        if s.status == MISSING and s.node in joined and s.rank not in named:
+        silent = s.status == MISSING and s.node not in replies  # not the SuperLink's word
+        if silent and s.node in joined and s.rank not in named:
             s.reason = ("no reply before the server stopped waiting; it joined the ring's "
                         "rendezvous and no peer blames it, so it is not excluded")
         elif s.status in (MISSING, ERROR):

@@ -49,6 +49,7 @@ from server.replies import decode_train_reply
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss, update_record
 from server.secure_buffer import SecureBuffer
 from server.secure_round import SecureSettings, secure_result
+from server.settle import mismatch, unreachable
 from server.spread import PREFIX as FEDERATED
 from server.store import UpdateRecord
 
@@ -190,9 +191,14 @@ class FedBuffRounds(RoundSource):
         assert buffer is not None
         self._bytes_up += ev.nbytes
         client_id = str(task.node)
-        if ev.reply is None:
+        gone = None if ev.reply is None else unreachable(ev.reply, task.node)
+        if ev.reply is None or gone is not None:  # no reply, or the SuperLink's: node gone
+            if gone is not None:
+                ctx.reporter.message(f"version {ctx.state.version}: dropped client "
+                                     f"{client_id}: {gone}")
             self._records.append(UpdateRecord(client_id=client_id, fate="dropped",
-                                              reason=ev.reason, base_version=task.base_version,
+                                              reason=gone or ev.reason,
+                                              base_version=task.base_version,
                                               staleness=ctx.state.version - task.base_version))
             return
         if isinstance(buffer, SecureBuffer):
@@ -201,8 +207,7 @@ class FedBuffRounds(RoundSource):
         try:
             sender = ev.reply.metadata.src_node_id
             if sender != task.node:
-                raise WireError(f"reply to the message sent to node {task.node} says it "
-                                     f"comes from node {sender}")
+                raise WireError(mismatch(task.node, sender))
             codec = None if self.compression is None else self.compression.codec(
                 self._run_id, task.base_version + 1, ctx.layout.dim)  # its "server-round"
             update = decode_train_reply(ev.reply, client_id=client_id, layout=ctx.layout,

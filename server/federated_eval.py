@@ -6,16 +6,16 @@ Every ``federation.evaluate_every`` rounds (and after the last), a share
 training cohorts; from the seed otherwise) and sent the model in a Flower "evaluate"
 message. Each reply is checked as a training reply is: it must answer a message sent to
 that node, an error reply is rejected with its reason, and its figures must read
-(``client.protocol.evaluation.read_evaluation``); a node silent past the deadline is
-recorded as dropped. The round's figures are the spread of the accepted answers
-(``server.spread``), or under ``federation.secure_evaluation`` only their totals, summed
-securely (``server.secure_evaluation``).
+(``client.protocol.evaluation.read_evaluation``); a node silent past the deadline, or one
+the SuperLink answers for as gone (``server.settle.unreachable``), is recorded as
+dropped. The round's figures are the spread of the accepted answers (``server.spread``),
+or under ``federation.secure_evaluation`` only their totals, summed securely
+(``server.secure_evaluation``).
 """
 
 from __future__ import annotations
 
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from client.protocol.errors import WireError
 from client.protocol.evaluation import evaluate_config, read_evaluation
@@ -23,7 +23,7 @@ from client.protocol.keys import RecordName
 from server.cohort import evaluation_cohort
 from server.exchange import push_and_collect_in_order
 from server.rounds import RunContext
-from server.settle import settle
+from server.settle import settle, unreachable
 from server.spread import spread
 from server.store import EvalRecord
 
@@ -70,13 +70,11 @@ class FederatedEvaluation:
         records: list[EvalRecord] = []
 
         def consume(reply: Message) -> None:
-            entry = sent.get(reply.metadata.reply_to_message_id)
-            if entry is not None and _unavailable(reply):  # the SuperLink's word for it
-                del sent[reply.metadata.reply_to_message_id]
-                records.append(EvalRecord(client_id=str(entry[0]), fate="dropped",
-                                          reason=f"unavailable: {reply.error.reason}"))
-                return
             client_id, _, problem = settle(sent, reply, None)
+            gone = None if problem is not None else unreachable(reply, int(client_id))
+            if gone is not None:  # the SuperLink's word: the node is gone
+                records.append(EvalRecord(client_id=client_id, fate="dropped", reason=gone))
+                return
             try:
                 if problem is not None:
                     raise WireError(problem)
@@ -95,18 +93,6 @@ class FederatedEvaluation:
                                reason=f"late: no reply within {deadline:g} s")
                     for node in missing]
         return records
-
-
-# Errors the SuperLink answers for a node that is gone: the node dropped out, it did not
-# send anything wrong.
-UNAVAILABLE = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
-               ErrorCode.NODE_UNAVAILABLE)
-
-
-def _unavailable(reply: Message) -> bool:
-    """Whether ``reply`` is the SuperLink's error for a node or message that is gone."""
-    return (reply.has_error() and reply.error.code in UNAVAILABLE
-            and reply.metadata.src_node_id == SUPERLINK_NODE_ID)
 
 
 def _accepted(client_id: str, reply: Message) -> EvalRecord:

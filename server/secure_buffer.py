@@ -33,6 +33,7 @@ from flwr.serverapp import Grid
 
 from client.protocol.secagg import SecAggKey, SecAggRecord
 from server.secure_round import SecureRoundOutcome, SecureSettings, secure_round, session_id
+from server.settle import mismatch
 from server.store import UpdateRecord
 
 
@@ -83,8 +84,7 @@ class SecureBuffer:
         if reply.has_error():
             return rejected(f"client error {reply.error.code}: {reply.error.reason}")
         if reply.metadata.src_node_id != node:
-            return rejected(f"reply to the message sent to node {node} says it comes from "
-                            f"node {reply.metadata.src_node_id}")
+            return rejected(mismatch(node, reply.metadata.src_node_id))
         record = reply.content.get(SecAggRecord.PROTOCOL)
         version = record.get(SecAggKey.READY) if isinstance(record, ConfigRecord) else None
         if isinstance(version, bool) or version != base_version:

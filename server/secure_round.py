@@ -82,6 +82,7 @@ from server.exchange import collect, push
 from server.rounds import RoundResult, RunContext
 from server.secagg_config import SecAggScenarioConfig
 from server.secure_range import ClipRange
+from server.settle import unreachable
 from server.store import UpdateRecord
 from server.sync_rounds import Collector
 
@@ -312,8 +313,8 @@ def secure_round(grid: Grid, *, nodes: list[int], arrays: ArrayRecord | None,
             outcome.replies += 1
             if on_reply is not None:
                 on_reply(outcome.replies)
-        if reply.has_error():
-            outcome.errors[node] = _first_line(reply.error.reason)
+        if reply.has_error():  # a dropout of the stage: the SuperLink's word, or the client's
+            outcome.errors[node] = unreachable(reply, node) or _first_line(reply.error.reason)
             return
         payload = _payload(reply)
         if not payload:

@@ -22,7 +22,7 @@ from server.compression import ReplyCompression
 from server.exchange import push_and_collect_in_order
 from server.replies import decode_train_reply
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss, update_record
-from server.settle import settle
+from server.settle import settle, unreachable
 from server.store import UpdateRecord
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ class PlainReplies(Collector):
         losses: list[tuple[float, float]] = []
         rewrite = ctx.pipeline.pre_combine  # None: each update goes in as it arrives
         held: list[Update] = []
-        done = 0
+        done = lost = 0  # replies; the SuperLink's replies for nodes that are gone
 
         def submit(update: Update) -> None:
             verdict = agg.submit(update)
@@ -149,10 +149,16 @@ class PlainReplies(Collector):
             records.append(update_record(verdict, update.metrics))
 
         def consume(reply: Message) -> None:
-            nonlocal done
+            nonlocal done, lost
             done += 1
             ctx.reporter.client_done(rnd, done, len(cohort))
             client_id, version, problem = self._settle(reply)
+            gone = None if problem is not None else unreachable(reply, int(client_id))
+            if gone is not None:  # the SuperLink's word: the node is gone
+                lost += 1
+                ctx.reporter.message(f"round {rnd}: dropped client {client_id}: {gone}")
+                records.append(UpdateRecord(client_id=client_id, fate="dropped", reason=gone))
+                return
             try:
                 if problem is not None:
                     raise WireError(problem)
@@ -170,6 +176,7 @@ class PlainReplies(Collector):
                 submit(update)
 
         num_replies, missing = self._collect(messages, consume, records)
+        num_replies -= lost
         for update in rewrite(held) if rewrite is not None else ():
             submit(update)
         self._forget_settled()
@@ -228,7 +235,8 @@ class PlainReplies(Collector):
         ends = [t0]
 
         def route(reply: Message) -> None:
-            node = reply.metadata.src_node_id
+            sent = self._sent.get(reply.metadata.reply_to_message_id)
+            node = sent[0] if sent is not None else reply.metadata.src_node_id
             out = outcomes.get(node)
             if out is None:
                 consume(reply)
