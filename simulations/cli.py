@@ -1,12 +1,15 @@
-"""The ``fedring`` command: simulate, runs, report."""
+"""The ``fedring`` command: simulate, runs, report, deploy, certs, silo."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
+import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +19,9 @@ if TYPE_CHECKING:
 DEFAULT_DB = "sqlite:///runs/fedring.db"
 ENGINES = ("inprocess", "flower")
 TARGETS = ("central", "federated", "personal")  # server.driver_config.TARGET_METRICS' keys
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status of a pipe writer whose reader is gone
+MIN_DIFFERS_WIDTH = 8  # narrower, `fedring runs` wraps names to fit "differs" this wide
+MIN_REASON_WIDTH = 24  # narrower, `report --updates` puts each reason below its update
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -32,7 +38,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         values["driver.target_accuracy"] = args.target_accuracy
     if getattr(args, "target_on", None) is not None:
         values["driver.target_on"] = args.target_on
-    return load_scenario(args.scenario, args.set, values=values)
+    return load_scenario(args.scenario, args.set, values=values,
+                         name=getattr(args, "name", None))
 
 
 def engine_on(device: str, engine: EngineConfig) -> EngineConfig:
@@ -110,11 +117,13 @@ def _stored_config(args: argparse.Namespace) -> dict[str, Any]:
     from server.store import Store
 
     changed = [flag for flag, value in (("--clients", args.clients), ("--rounds", args.rounds),
-                                        ("--seed", args.seed), ("--set", args.set))
-               if value] + (["--scenario"] if args.scenario != "default" else [])
+                                        ("--seed", args.seed), ("--set", args.set),
+                                        ("--name", args.name))
+               if value is not None and value != []] + \
+        (["--scenario"] if args.scenario != "default" else [])
     if changed:
-        raise ValueError(f"--resume continues a run with its stored configuration; drop "
-                         f"{', '.join(changed)}")
+        raise ValueError(f"--resume continues a run with its stored configuration and name; "
+                         f"drop {', '.join(changed)}")
     with Store(args.db, create=False) as store:
         return store.get_run(args.resume).config
 
@@ -144,7 +153,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with RichReporter(config["federation"]["rounds"], console=console) as reporter:
         summary = run_simulation(config, engine=args.engine, db=args.db, reporter=reporter,
                                  resume=args.resume)
-    summary = {**summary, "engine": args.engine, "scenario": config["name"],
+    summary = {**summary, "engine": args.engine, "name": config["name"],
+               "scenario": config.get("scenario", config["name"]),
                "clients": config["federation"]["clients"]}
     attackers = _attackers(config)
     if attackers is not None:
@@ -209,63 +219,66 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(runs))
         return 0
-    table = Table(title=f"runs in {args.db}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
-                  show_edge=False)
-    for col in RUN_COLUMNS:  # ids and dates are never cut
-        table.add_column(col, no_wrap=col in ("run", "created", "status"))
-    for r in runs:
-        table.add_row(*(_fmt(r[c]) for c in RUN_COLUMNS[:-1]), r["created"][:16])
-    Console().print(table)
+
+    def table_of(differs_width: int | None) -> Table:
+        """The runs; "differs" ``differs_width`` wide, cut with "…" (None: left out)."""
+        columns = [c for c in RUN_COLUMNS if c != "differs" or differs_width is not None]
+        table = Table(title=f"runs in {args.db}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+                      show_edge=False)
+        for col in columns:  # ids and dates are never cut, a name wraps if it must
+            if col == "differs":
+                table.add_column(col, width=differs_width, no_wrap=True, overflow="ellipsis")
+            else:
+                table.add_column(col, no_wrap=col != "name", overflow="fold")
+        for r in runs:
+            cells = {**{c: _fmt(r[c]) for c in columns}, "created": r["created"][:16]}
+            table.add_row(*(cells[c] for c in columns))
+        return table
+
+    console = Console()
+    longest = max((len(r["differs"]) for r in runs), default=0)
+    room = console.width - _width(table_of(None)) - 2  # its padding and rule
+    console.print(table_of(min(max(longest, len("differs")), max(MIN_DIFFERS_WIDTH, room))
+                           if longest else None))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
     from server.store import Store
     from simulations.report import (
-        HEADERS,
         audit_line,
-        fit_columns,
         plot_run,
         privacy_summary,
-        report_columns,
+        report_json,
         round_table,
-        run_row,
+        update_rows,
     )
 
+    if args.round is not None and not args.updates:
+        raise ValueError("--round picks the round whose updates to show: add --updates")
     with Store(args.db, create=False) as store:
         info = store.get_run(args.run_id)
-        rows = round_table(store.rounds(args.run_id), store.secagg_rounds(args.run_id))
+        rounds = store.rounds(args.run_id)
+        rows = round_table(rounds, store.secagg_rounds(args.run_id))
         privacy = privacy_summary(store.privacy_ledger(args.run_id))
-        path = None if args.json else plot_run(store, args.run_id, Path(args.out))
+        updates = None
+        if args.updates:
+            recorded = [r.round for r in rounds]
+            if args.round is not None and args.round not in recorded:
+                held = f"rounds {recorded[0]} to {recorded[-1]}" if recorded else "no rounds"
+                raise ValueError(f"run {args.run_id} has no round {args.round}: it has {held}")
+            updates = update_rows(store.updates(args.run_id))
+        path = None if args.json or args.updates else plot_run(store, args.run_id,
+                                                                Path(args.out))
     if args.json:
-        print(json.dumps({**run_row(info), "summary": info.summary, "privacy": privacy,
-                          "audit": audit_line(info.summary), "rounds_table": rows},
-                         default=str))
+        print(json.dumps(report_json(info, rows, privacy, updates), default=str))
         return 0
-
-    def table_of(columns: list[str], titled: bool = True) -> Table:
-        table = Table(title=f"run {info.run_id} ({info.name}, {info.status})" if titled
-                      else None,
-                      box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
-        for col in columns:
-            table.add_column(HEADERS.get(col, col), no_wrap=True)
-        for row in rows:  # blank where a round has no such figure (e.g. no evaluation)
-            table.add_row(*(_fmt(row.get(c)) for c in columns))
-        return table
-
-    console = Console()
-    columns = report_columns(rows, wide=args.wide)
-    if not args.wide:
-        columns = fit_columns(columns, rows, lambda cols: _width(table_of(cols, False)),
-                              console.width)
-    console.print(table_of(columns))
-    if not args.wide:
-        console.print("more columns (version, sampled, secure rounds' k/t and survivors, "
-                      "bytes, train loss, the clients' accuracy spread, ...): --wide")
+    console = _stdout_console()
+    title = f"run {info.run_id} ({info.name}, {info.status})"
+    if updates is not None:
+        _print_updates(console, title, updates, args.round)
+        return 0
+    _print_rounds(console, title, rows, wide=args.wide)
     if privacy is not None:
         console.print(privacy)
     if audit_line(info.summary) is not None:
@@ -274,6 +287,101 @@ def cmd_report(args: argparse.Namespace) -> int:
         console.print(info.summary["stop_reason"])
     console.print(f"plot: {path}")
     return 0
+
+
+def _print_rounds(console: Any, title: str, rows: list[dict[str, object]], *,
+                  wide: bool) -> None:
+    """The round table in the console's width: without ``wide`` the essential columns, less
+    those :func:`fit_columns` drops; what still does not fit (every column with ``wide``)
+    goes on in further tables, each starting with the round, so no figure is cut."""
+    from rich import box
+    from rich.table import Table
+
+    from simulations.report import HEADERS, column_groups, fit_columns, report_columns
+
+    def table_of(columns: list[str], titled: bool = True) -> Table:
+        table = Table(title=title if titled else None, box=box.SIMPLE_HEAD,
+                      padding=(0, 1, 0, 0), show_edge=False)
+        for col in columns:
+            table.add_column(HEADERS.get(col, col), no_wrap=True)
+        for row in rows:  # blank where a round has no such figure (e.g. no evaluation)
+            table.add_row(*(_fmt(row.get(c)) for c in columns))
+        return table
+
+    def width_of(columns: list[str]) -> int:  # what table_of(columns) takes, unrendered
+        return sum(_column_width(HEADERS.get(c, c), (_fmt(row.get(c)) for row in rows)) + 2
+                   for c in columns) - 1  # each: its padding and the rule, less the last
+
+    columns = report_columns(rows, wide=wide)
+    if not wide:
+        columns = fit_columns(columns, rows, width_of, console.width)
+    for i, group in enumerate(column_groups(columns, width_of, console.width)):
+        if i:
+            console.print()
+        console.print(table_of(group, titled=not i))
+    if not wide:
+        console.print("more columns (version, sampled, secure rounds' k/t and survivors, "
+                      "bytes, train loss, the clients' accuracy spread, ...): --wide")
+
+
+def _print_updates(console: Any, title: str, updates: list[dict[str, Any]],
+                   rnd: int | None) -> None:
+    """Each update's round, client, fate, weight, norm, staleness and reason. The reason
+    wraps, never cut: in its column where the others leave it room, else on indented
+    lines below a line of the other fields (a console too narrow for the table)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from simulations.report import UPDATE_COLUMNS
+
+    where = f"round {rnd} of {title}" if rnd is not None else title
+    if not updates:
+        console.print(f"no updates recorded in {where}")
+        return
+
+    def table_of(columns: tuple[str, ...]) -> Table:
+        table = Table(title=f"updates in {where}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+                      show_edge=False)
+        for col in columns:
+            table.add_column(col, no_wrap=col != "reason", overflow="fold")
+        for row in updates:
+            table.add_row(*(Text(_fmt(row.get(c))) for c in columns))  # no markup
+        return table
+
+    fields = UPDATE_COLUMNS[:-1]
+    if _width(table_of(fields)) + 1 + MIN_REASON_WIDTH <= console.width:
+        console.print(table_of(UPDATE_COLUMNS))
+        return
+    console.print(f"updates in {where}", markup=False, highlight=False)
+    for row in updates:
+        console.print("  ".join(f"{c} {_fmt(row[c])}" if c != "fate" else row[c]
+                                for c in fields if row.get(c) is not None),
+                      markup=False, highlight=False)
+        if row.get("reason"):
+            console.print(textwrap.fill(row["reason"], console.width, initial_indent="    ",
+                                        subsequent_indent="    ", break_on_hyphens=False),
+                          markup=False, highlight=False)
+
+
+def _stdout_console() -> Any:
+    """A rich console on stdout that leaves a closed stdout to :func:`main` (rich would exit
+    1 on its own), so that every command ends the same way."""
+    from rich.console import Console
+
+    def closed() -> None:
+        raise BrokenPipeError(errno.EPIPE, "the reader of stdout is gone")
+
+    console = Console()
+    console.on_broken_pipe = closed
+    return console
+
+
+def _column_width(header: str, cells: Any) -> int:
+    """The width of a table column that never wraps: its widest header line or cell."""
+    from rich.cells import cell_len
+
+    return max(cell_len(text) for text in (*header.split("\n"), *cells))
 
 
 def _width(renderable: object) -> int:
@@ -295,6 +403,9 @@ def _fmt(value: object) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedring", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the whole traceback of an error (before the command: "
+                             "fedring --debug simulate ...)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sim = sub.add_parser("simulate", help="run a federated simulation")
@@ -320,7 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "aggregation.local_buffers = true)")
     sim.add_argument("--json", action="store_true", help="end with one JSON summary line")
     sim.add_argument("--resume", metavar="RUN_ID",
-                     help="continue a run from its last checkpoint (same --db)")
+                     help="continue a run from its last checkpoint (same --db; it keeps "
+                          "its name)")
+    sim.add_argument("--name", help="the run's name in `fedring runs` (default: the "
+                                    "scenario's top-level name, else its file name)")
     sim.set_defaults(func=cmd_simulate)
 
     runs = sub.add_parser("runs", help="list runs in the store")
@@ -328,13 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--json", action="store_true", help="print the runs as one JSON list")
     runs.set_defaults(func=cmd_runs)
 
-    rep = sub.add_parser("report", help="per-round table and plot of a run")
+    rep = sub.add_parser("report", help="a run's rounds (table and plot) and updates")
     rep.add_argument("run_id")
     rep.add_argument("--db", default=DEFAULT_DB)
     rep.add_argument("--out", default="runs", help="directory for the PNG plot")
     rep.add_argument("--wide", action="store_true", help="every column, not only the essential")
     rep.add_argument("--json", action="store_true",
                      help="print the run and its rounds as one JSON object (no plot)")
+    rep.add_argument("--updates", action="store_true",
+                     help="each update's client, fate, weight, norm, staleness and the "
+                          "reason it was rejected or dropped (in --json: \"updates\")")
+    rep.add_argument("--round", type=int, metavar="R",
+                     help="with --updates: only round R's updates")
     rep.set_defaults(func=cmd_report)
 
     from simulations.deploy import add_parsers as add_deploy_parsers
@@ -344,16 +463,50 @@ def build_parser() -> argparse.ArgumentParser:
     from simulations.silo_cli import add_parser as add_silo_parser
 
     add_silo_parser(sub)  # silo: a torchrun job as one Flower client
+    parser.description = f"Federated learning on Flower; commands: {', '.join(sub.choices)}."
     return parser
 
 
+def _task_code_error() -> type[Exception]:
+    """The error of a failing function of a user's task module (``TaskCodeError``), looked
+    up only once something failed: none can be raised before that module is imported."""
+    module = sys.modules.get("simulations.module_task")
+    return module.TaskCodeError if module is not None else _NeverRaised
+
+
+class _NeverRaised(Exception):
+    """Matches no error (no task module was imported)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
-    except (ValueError, LookupError) as exc:
-        print(f"fedring: error: {exc}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        try:
+            return int(args.func(args))
+        except _task_code_error() as exc:  # the user's own code failed: one line, logged
+            logging.getLogger("fedring").error("%s", exc, exc_info=exc)
+            if args.debug:
+                raise
+            print(f"fedring: error: {exc}", file=sys.stderr)
+            return 1
+        except (ValueError, LookupError) as exc:
+            if args.debug:
+                raise
+            print(f"fedring: error: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            sys.stdout.flush()  # a reader gone before the end shows here, not at exit
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """Stop quietly once the reader of stdout is gone (``fedring report --json | head``):
+    what is left to print goes nowhere, and the exit status is a pipe writer's on SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_EXIT
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from simulations.tracking import TrackingConfig
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 TOP_LEVEL_KEYS = ("name", "description", "seed")
+NAME_MAX = 64  # characters of a run name
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,16 @@ def drop_other_kinds_params(raw: dict[str, Any], overrides: Mapping[str, Any]) -
                     if k == "kind" or f"model.{k}" in overrides}
 
 
+def check_run_name(name: object, where: str = "name") -> str:
+    """A run name: a non-empty printable string of at most ``NAME_MAX`` characters."""
+    if not isinstance(name, str):
+        raise ValueError(f"{where} must be a string, got {name!r}")
+    if not name.strip() or not name.isprintable() or len(name) > NAME_MAX:
+        raise ValueError(f"{where} {name!r} is not a usable run name: give 1 to {NAME_MAX} "
+                         "printable characters (no tabs or newlines), e.g. 'median-3-rounds'")
+    return name
+
+
 def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The resolved configuration: every section with its defaults, or a clear error."""
     unknown = sorted(k for k in raw if k not in SECTIONS and k not in FREE_SECTIONS
@@ -172,7 +183,7 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    config: dict[str, Any] = {"name": str(raw.get("name", "scenario")),
+    config: dict[str, Any] = {"name": check_run_name(raw.get("name", "scenario")),
                               "description": str(raw.get("description", "")), "seed": seed}
     misplaced = [k for k in STALENESS_KEYS if k in dict(raw.get("aggregation") or {})]
     if misplaced:
@@ -225,8 +236,14 @@ def _task_module(raw: Mapping[str, Any], base: Path | None = None) -> str:
 
 
 def load_scenario(name_or_path: str = "default", overrides: Iterable[str] = (), *,
-                  values: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Load, override (``--set`` strings, then typed ``values``) and validate a scenario."""
+                  values: Mapping[str, Any] | None = None,
+                  name: str | None = None) -> dict[str, Any]:
+    """Load, override (``--set`` strings, then typed ``values``) and validate a scenario.
+
+    The run is named ``name`` (``--name``), else by the file's top-level ``name``, else by
+    the file's stem; ``"scenario"`` keeps the scenario it came from and ``"overrides"``
+    the keys set over it (``{"federation.rounds": 3}``), as they were given.
+    """
     path = scenario_path(name_or_path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -242,4 +259,10 @@ def load_scenario(name_or_path: str = "default", overrides: Iterable[str] = (), 
     drop_other_kinds_params(raw, given)
     apply_overrides(raw, given)
     raw.setdefault("name", path.stem)
-    return validate(raw)
+    if name is not None:
+        raw["name"] = check_run_name(name, "--name")
+    config = validate(raw)
+    config["scenario"] = path.stem if path.parent.resolve() == SCENARIO_DIR.resolve() \
+        else str(path.resolve())
+    config["overrides"] = given
+    return config

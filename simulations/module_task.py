@@ -32,7 +32,7 @@ import numbers
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,40 @@ EVAL_BATCH = 1024
 
 class TaskModuleError(ValueError):
     """The task module cannot be loaded, or a function of it misbehaves."""
+
+
+class TaskCodeError(Exception):
+    """A function of the task module (or the model it built) raised: ``str`` is one line,
+    ``<module>.<function>: <ExceptionType>: <message>``; the error raised is its cause."""
+
+    def __init__(self, module: str, function: str, cause: BaseException) -> None:
+        self.module, self.function, self.cause = module, function, cause
+        message = str(cause).strip().splitlines()
+        super().__init__(f"{module}.{function}: {type(cause).__name__}"
+                         + (f": {message[0]}" if message else ""))
+
+
+def _innermost_frame_in(tb: TracebackType | None, filename: str | None) -> str | None:
+    """The qualified name of the innermost function of ``filename`` on a traceback."""
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if filename is not None and code.co_filename == filename:
+            found = code.co_qualname
+        tb = tb.tb_next
+    return found
+
+
+def _in_model_call(tb: TracebackType | None) -> bool:
+    """Whether a traceback passes through a ``torch.nn.Module`` call (the error arose in
+    a model's forward, not in the loop that called it)."""
+    calls = {fn.__code__ for name in ("_call_impl", "_wrapped_call_impl", "__call__")
+             if hasattr(fn := getattr(torch.nn.Module, name, None), "__code__")}
+    while tb is not None:
+        if tb.tb_frame.f_code in calls:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def is_path_ref(ref: str) -> bool:
@@ -223,12 +257,37 @@ class ModuleTask:
     def _name(self, fn: str) -> str:
         return f"{self.ref}.{fn}()"
 
+    def _call(self, fn: str, *args: Any) -> Any:
+        """The module's function ``fn`` called with ``args``; what it raises comes out as a
+        :class:`TaskCodeError` naming the innermost function of the module it went
+        through."""
+        try:
+            return getattr(self.module, fn)(*args)
+        except Exception as exc:
+            raise self._code_error(fn, exc) from exc
+
+    def _code_error(self, fn: str, exc: Exception) -> TaskCodeError:
+        where = _innermost_frame_in(exc.__traceback__, getattr(self.module, "__file__", None))
+        return TaskCodeError(self.ref, where or fn, exc)
+
+    def _run_model(self, run: Callable[[], Any]) -> Any:
+        """``run()``, a fedring loop over the module's model: an error raised inside the
+        model's forward is a :class:`TaskCodeError` of ``build_model`` (or of the module's
+        function it went through, e.g. ``Net.forward``); any other error, fedring's own,
+        is raised as it is."""
+        try:
+            return run()
+        except Exception as exc:
+            if not _in_model_call(exc.__traceback__):
+                raise
+            raise self._code_error("build_model", exc) from exc
+
     def build_model(self) -> torch.nn.Module:
         """The module's model, built with torch seeded by the run seed (the same initial
         model on the server and on every client)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = self.module.build_model()
+            model = self._call("build_model")
         if not isinstance(model, torch.nn.Module):
             raise TaskModuleError(f"{self._name('build_model')} returned "
                                   f"{type(model).__name__}, expected a torch.nn.Module")
@@ -257,7 +316,7 @@ class ModuleTask:
         return ds, held
 
     def _dataset(self, fn: str, partition_id: int, num_partitions: int) -> Any:
-        ds = getattr(self.module, fn)(partition_id, num_partitions)
+        ds = self._call(fn, partition_id, num_partitions)
         if not _is_dataset(ds):
             raise TaskModuleError(f"{self._name(fn)} returned {type(ds).__name__} for "
                                   f"partition {partition_id}, expected a "
@@ -276,7 +335,7 @@ class ModuleTask:
     def load_test(self) -> Any | None:
         """The module's held-out dataset, or None without ``load_test``."""
         if self._test is None and hasattr(self.module, "load_test"):
-            ds = self.module.load_test()
+            ds = self._call("load_test")
             if not _is_dataset(ds):
                 raise TaskModuleError(f"{self._name('load_test')} returned "
                                       f"{type(ds).__name__}, expected a "
@@ -313,7 +372,7 @@ class ModuleTask:
         config = {**dataclasses.asdict(self.train_config), "seed": seed,
                   "partition_id": partition_id, "device": str(_device_of(module))}
         module.train()
-        out = self.module.train(module, loader, config)
+        out = self._call("train", module, loader, config)
         return len(ds), _metrics(out, self._name("train"))
 
     def _evaluate_with_module(self, module: torch.nn.Module,
@@ -328,8 +387,24 @@ class ModuleTask:
         module.eval()
         loader = DataLoader(ds, batch_size=max(self.train_config.batch_size, 256))
         with torch.no_grad():
-            out = self.module.evaluate(module, loader)
+            out = self._call("evaluate", module, loader)
         return _metrics(out, self._name("evaluate"))
+
+    def _check_logits(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        """A batch of partition 0 through the model, as fedring's loop trains it: a forward
+        that fails, or fewer outputs than the labels need, fails here, at start."""
+        model.eval()
+        with torch.no_grad():
+            out = self._run_model(lambda: model(x))
+        if y.dim() != 1 or not len(y):
+            return
+        shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        if not torch.is_tensor(out) or out.dim() != 2 or out.shape[1] <= int(y.max()):
+            raise TaskModuleError(f"the model of {self._name('build_model')} gives "
+                                  f"{shape} for a batch of {tuple(x.shape)} from partition 0, "
+                                  f"whose labels go up to {int(y.max())}: fedring's training "
+                                  "loop needs (batch, classes) logits with more classes than "
+                                  "the largest label")
 
     # ---- ServerTask
 
@@ -352,7 +427,8 @@ class ModuleTask:
             return self._module_evaluate(module, test)
         if self._test_tensors is None:  # read once, like a client's partition
             self._test_tensors = dataset_tensors(test, self._name("load_test"))
-        loss, acc = evaluate(module, *self._test_tensors, batch_size=EVAL_BATCH)
+        loss, acc = self._run_model(lambda: evaluate(module, *self._test_tensors,
+                                                     batch_size=EVAL_BATCH))
         return {"loss": loss, "accuracy": acc}
 
     def task_spec(self) -> dict[str, Any]:
@@ -408,11 +484,14 @@ class ModuleTask:
         if central_target and not hasattr(self.module, "load_test"):
             raise TaskModuleError(f"driver.target_accuracy needs central evaluation, but "
                                   f"task module '{self.ref}' has no load_test()")
-        check_model(self.build_model(), cfg)  # DP-SGD refuses batch norm
+        model = self.build_model()
+        check_model(model, cfg)  # DP-SGD refuses batch norm
         params, _ = self.initial_params()
         self.load_partition(0, self.clients)
         if not own_train or self.evaluator is None:  # fedring's loops read tensors
-            self.partition(0)
+            x, y = self.partition(0)
+            if not own_train:
+                self._check_logits(model, x[:cfg.batch_size], y)
         if self.evaluator is None:
             self.client_test(0)
         if self.load_test() is not None:

@@ -1,14 +1,17 @@
-"""Look at a stored run: the per-round table and a PNG of accuracy and loss per round, with
-the spread of the clients' own accuracies on rounds that evaluated on them."""
+"""Look at a stored run: the per-round table, each update's fate and reason, and a PNG of
+accuracy and loss per round, with the spread of the clients' own accuracies on rounds that
+evaluated on them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from server.spread import COUNT, LOSS, PERSONAL, STATS, accuracy_key
-from server.store import RoundInfo, RunInfo, Store
+from server.store import RoundInfo, RunInfo, Store, UpdateRecord
 
 SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
                   "masked_input": "drop@input", "unmasking": "drop@unmask"}
@@ -17,16 +20,21 @@ FEDERATED_COLUMNS = tuple(accuracy_key(stat, personal=personal)
                           for personal in (False, True) for stat in (None, "p10", "min"))
 # what ``fedring report`` shows without --wide: readable at 80 columns
 ESSENTIAL_COLUMNS = ("round", "status", "accepted", "rejected", "dropped", "accuracy", "loss",
-                     *FEDERATED_COLUMNS, "epsilon", "secagg_clipped")
-# two-line headers for the federated figures, whose names are too wide for a table
-HEADERS = {COUNT: "fed\nclients", LOSS: "fed\nloss", LOSS + PERSONAL: "pers\nloss",
+                     *FEDERATED_COLUMNS, "epsilon", "noise_to_signal", "secagg_clipped")
+# short or two-line headers for the figures whose names are too wide for a table
+HEADERS = {"noise_to_signal": "noise/s",
+           COUNT: "fed\nclients", LOSS: "fed\nloss", LOSS + PERSONAL: "pers\nloss",
            **{accuracy_key(stat, personal=personal): f"{'pers' if personal else 'fed'}\n"
               f"{stat or 'acc'}" for personal in (False, True) for stat in (None, *STATS)}}
 # essential columns left out, in turn, when the table is wider than the terminal: first
-# those with the same value on every round (e.g. no update ever rejected), then these
-NARROW_DROPS = ("loss", accuracy_key("p10", personal=False), accuracy_key("p10", personal=True))
+# those with the same value on every round (e.g. no update ever rejected), then these;
+# what still does not fit goes on in a second table
+NARROW_DROPS = ("loss", accuracy_key("p10", personal=False), accuracy_key("p10", personal=True),
+                accuracy_key("min", personal=True), accuracy_key("min", personal=False))
 CONSTANT_DROPS = ("status", "rejected", "dropped")
-RUN_COLUMNS = ("run", "name", "status", "rounds", "accuracy", "created")
+RUN_COLUMNS = ("run", "name", "status", "rounds", "accuracy", "created", "differs")
+# what ``fedring report --updates`` shows of each update (its JSON carries every field)
+UPDATE_COLUMNS = ("round", "client", "fate", "weight", "norm", "staleness", "reason")
 
 
 def round_table(rounds: list[RoundInfo],
@@ -79,14 +87,84 @@ def fit_columns(columns: list[str], rows: list[dict[str, object]], width_of: Any
     return columns
 
 
+def column_groups(columns: list[str], width_of: Any, width: int) -> list[list[str]]:
+    """``columns`` cut into groups whose tables (``width_of(group)`` wide) each fit in
+    ``width``, in order; every group after the first starts again with the first column
+    (the round), so each table reads on its own. A column too wide for any group is a
+    group alone with the first."""
+    if not columns:
+        return []
+    key, groups = columns[0], [[columns[0]]]
+    for column in columns[1:]:
+        if len(groups[-1]) > 1 and width_of([*groups[-1], column]) > width:
+            groups.append([key])
+        groups[-1].append(column)
+    return groups
+
+
+def update_rows(updates: list[tuple[int, UpdateRecord]]) -> list[dict[str, Any]]:
+    """One row per update (``Store.updates``): its round and every field of its record."""
+    return [{"round": rnd, "client": u.client_id, **{k: v for k, v in asdict(u).items()
+                                                      if k != "client_id"}}
+            for rnd, u in updates]
+
+
+def report_json(info: RunInfo, rounds: list[dict[str, object]], privacy: str | None,
+                updates: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``fedring report --json``: the run (its row, the count of training rounds as
+    ``num_rounds``), its rounds' rows, the privacy and audit lines, the stored summary,
+    and each update's row with ``--updates``."""
+    run = run_row(info)
+    run["num_rounds"] = run.pop("rounds")
+    out = {"run": run, "rounds": rounds, "privacy": privacy, "audit": audit_line(info.summary),
+           "summary": info.summary}
+    if updates is not None:
+        out["updates"] = updates
+    return out
+
+
 def run_row(run: RunInfo) -> dict[str, Any]:
-    """A run as ``fedring runs`` lists it (and as ``--json`` prints it)."""
+    """A run as ``fedring runs`` lists it (and as ``--json`` prints it): with the scenario
+    it was run from, the keys set over it (``overrides``) and those in short (``differs``)."""
     summary = run.summary or {}
     return {"run": run.run_id, "name": run.name or "", "status": run.status,
             "rounds": run.num_rounds, "accuracy": summary.get("final_accuracy"),
-            "created": run.created_at.isoformat(timespec="seconds"), "seed": run.seed,
+            "created": run.created_at.isoformat(timespec="seconds"),
+            "differs": differs(run.config, run.name), "seed": run.seed,
             "finished": run.finished_at.isoformat(timespec="seconds")
-            if run.finished_at else None, "stop_reason": summary.get("stop_reason")}
+            if run.finished_at else None, "stop_reason": summary.get("stop_reason"),
+            "scenario": run.config.get("scenario"),
+            "overrides": dict(run.config.get("overrides") or {})}
+
+
+DIFFERS_KEYS = {"task.module": "task", "federation.clients": "clients",
+                "federation.rounds": "rounds", "seed": "seed"}  # shown first, by these names
+
+
+def differs(config: Mapping[str, Any], name: str | None) -> str:
+    """What a run changed of the scenario it was run from, in short: the task module,
+    --clients/--rounds/--seed, the other overrides, then that scenario where the run's
+    name is not its own (``task=my_task.py rounds=3 aggregation.combine=median``)."""
+    overrides = dict(config.get("overrides") or {})
+    parts = []
+    for key, short in DIFFERS_KEYS.items():
+        if key in overrides:
+            value = overrides.pop(key)
+            if key == "task.module" and isinstance(value, str) and value.endswith(".py"):
+                value = Path(value).name  # a path: its file name
+            parts.append(f"{short}={_value_text(value)}")
+    parts += [f"{key}={_value_text(value)}" for key, value in overrides.items()]
+    scenario = config.get("scenario")
+    if scenario and name != Path(scenario).stem:
+        parts.append(f"scenario={Path(scenario).name}")
+    return " ".join(parts)
+
+
+def _value_text(value: object) -> str:
+    """An override's value as it would be typed after ``--set key=``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def ledger_relations(entry: Mapping[str, Any]) -> dict[str, str]:
