@@ -77,6 +77,8 @@ KINDS: dict[str, tuple[list[str], str]] = {  # kind -> (overrides, the message i
                        "train"),
     "cross_silo": ([*SILO, "driver.kind=cross_silo"], "train"),
     "gossip": ([*SILO, "driver.kind=gossip"], "train"),
+    "secure_cross_silo": ([*SILO, "driver.kind=cross_silo", "federation.clients=4", *SECURE],
+                          "train"),
     "evaluation": (["federation.clients=4", "federation.rounds=1",
                     "federation.evaluate_fraction=1"], "evaluate"),
 }
