@@ -125,7 +125,7 @@ def test_flower_engine_on_a_ray_cluster_matches_inprocess(ray_head, db_url, stor
 
 @pytest.mark.slow
 def test_flwr_run_joins_the_cluster_through_ray_address_and_tracks(ray_head, tmp_path):
-    """The README's recipe for ``flwr run``: ``RAY_ADDRESS`` in the environment the local
+    """docs/SIMULATION.md's recipe for ``flwr run``: ``RAY_ADDRESS`` in the environment the local
     SuperLink starts from, client resources in the federation config; tracking works under
     the ServerApp too."""
     address, temp_dir = ray_head

@@ -1,4 +1,4 @@
-"""The README's table of scenario keys lists exactly the keys each section takes."""
+"""docs/CONFIGURATION.md's table of scenario keys lists exactly the keys each section takes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from privacy.dp import DPConfig
 from simulations.config import SECTIONS, TOP_LEVEL_KEYS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md"
 TYPED = {**SECTIONS, "dp": DPConfig}
 
 
@@ -27,10 +27,10 @@ def _without_parentheses(text: str) -> str:
     return "".join(out)
 
 
-def readme_table() -> dict[str, set[str]]:
+def key_table() -> dict[str, set[str]]:
     """{section: the keys its row names}, from the table under "Scenario files"."""
     rows: dict[str, set[str]] = {}
-    text = README.read_text()
+    text = CONFIGURATION.read_text()
     table = text[text.index("| section | keys |"):]
     for line in table.splitlines()[2:]:
         if not line.startswith("|"):
@@ -42,43 +42,51 @@ def readme_table() -> dict[str, set[str]]:
 
 
 def test_the_table_has_a_row_for_every_section_and_no_gap():
-    rows = readme_table()
+    rows = key_table()
     assert set(rows) == {*TYPED, "model", "top level"}  # a blank line would cut it short
 
 
 @pytest.mark.parametrize("section", sorted(TYPED))
 def test_each_row_lists_exactly_its_section_keys(section):
     fields = {f.name for f in dataclasses.fields(TYPED[section])}
-    assert readme_table()[section] == fields
+    assert key_table()[section] == fields
 
 
 def test_top_level_keys():
-    assert readme_table()["top level"] == set(TOP_LEVEL_KEYS)
+    assert key_table()["top level"] == set(TOP_LEVEL_KEYS)
 
 
 def test_no_row_of_the_key_table_stands_outside_it():
     """Rows after a blank line would render as text: every section row is in the one table."""
-    anywhere = re.findall(r"^\| `\[([a-z_]+)\]` \|", README.read_text(), flags=re.M)
+    anywhere = re.findall(r"^\| `\[([a-z_]+)\]` \|", CONFIGURATION.read_text(), flags=re.M)
     assert sorted(anywhere) == sorted(set(anywhere))  # one row per section
-    assert set(anywhere) | {"top level"} == set(readme_table())
+    assert set(anywhere) | {"top level"} == set(key_table())
 
 
 def test_the_model_row_names_every_kind_and_parameter():
     from simulations.models import _BUILDERS
 
-    row = README.read_text().split("| `[model]` |", 1)[1].split("\n", 1)[0]
+    row = CONFIGURATION.read_text().split("| `[model]` |", 1)[1].split("\n", 1)[0]
     named = set(re.findall(r"`([a-z_0-9]+)`", row))
     assert named == {"kind", *_BUILDERS, *(p for _, params in _BUILDERS.values() for p in params)}
 
 
-def test_simulate_options_in_the_readme_are_the_commands():
-    """The README's list of `simulate` options names each option of the command, and no
-    other."""
+def test_simulate_options_in_the_docs_are_the_commands():
+    """The list of `simulate` options in docs/CONFIGURATION.md names each option of the
+    command, and no other."""
     from simulations.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     options = {o for a in sub.choices["simulate"]._actions for o in a.option_strings
                if o.startswith("--") and o != "--help"}
-    text = README.read_text()
+    text = CONFIGURATION.read_text()
     paragraph = text[text.index("Options of `simulate`"):].split("\n\n", 1)[0]
     assert set(re.findall(r"`(--[a-z-]+)", paragraph)) == options
+
+
+def test_every_row_is_short():
+    """A row names keys and a few values; explanations go to the notes below the table."""
+    table = CONFIGURATION.read_text().split("| section | keys |", 1)[1].split("\n\n", 1)[0]
+    for row in table.splitlines()[2:]:
+        prose = re.sub(r"`[^`]*`|\[([^\]]*)\]\([^)]*\)", r"\1", row)  # code and link targets out
+        assert len(prose) <= 150, f"{row[:20]}...: {len(prose)} characters of prose"
