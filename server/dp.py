@@ -415,8 +415,6 @@ class DPController:
                                              for key, acc in self.accountants.items()}}
         if self.adaptive is not None:
             state["adaptive_clip"] = self.adaptive.state_dict()
-        if self.config.mode == "central":  # the noise-to-signal hint's progress
-            state["noise_to_signal"] = {"ratios": list(self._ratios), "hint": self.hint}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -435,9 +433,15 @@ class DPController:
                     acc.step(n, z, population=population, cohort=size)
         if self.adaptive is not None and "adaptive_clip" in state:
             self.adaptive.load_state_dict(state["adaptive_clip"])
-        hint = state.get("noise_to_signal", {})
-        self._ratios = deque((float(r) for r in hint.get("ratios", [])), maxlen=HINT_ROUNDS)
-        self.hint = hint.get("hint")
+
+    def hint_state(self) -> dict[str, Any]:
+        """The hint's progress: the last released rounds' ratios and the hint, if it fired
+        (checkpointed with ``CentralNoise``: values of the noise, apart from the ledger's)."""
+        return {"ratios": list(self._ratios), "hint": self.hint}
+
+    def load_hint_state(self, state: dict[str, Any]) -> None:
+        self._ratios = deque((float(r) for r in state.get("ratios", [])), maxlen=HINT_ROUNDS)
+        self.hint = state.get("hint")
 
     def stages(self) -> tuple[list[UpdateStage], list[PostStage]]:
         """The pipeline stages central DP adds (none for local DP, which runs on clients)."""
@@ -476,6 +480,12 @@ class CentralNoise(PostStage):
         c.note_noise(_added_noise_norm(out, summed, c.clients_per_round),
                      float(np.linalg.norm(summed)))
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.controller.hint_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_hint_state(state)
 
 
 def _added_noise_norm(released: np.ndarray, summed: np.ndarray, count: int) -> float:
