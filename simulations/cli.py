@@ -267,7 +267,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             if args.round is not None and args.round not in recorded:
                 held = f"rounds {recorded[0]} to {recorded[-1]}" if recorded else "no rounds"
                 raise ValueError(f"run {args.run_id} has no round {args.round}: it has {held}")
-            updates = update_rows(store.updates(args.run_id))
+            updates = update_rows(store.updates(args.run_id, round=args.round))
         path = None if args.json or args.updates else plot_run(store, args.run_id,
                                                                 Path(args.out))
     if args.json:

@@ -138,8 +138,7 @@ def cmd_silo(args: Any) -> int:
 
 def add_parser(sub: Any) -> None:
     """Add ``silo`` to the ``fedring`` command's subparsers."""
-    p = sub.add_parser("silo", help="start a silo: a torchrun job whose rank 0 is a Flower "
-                                     "client and whose processes train with DDP")
+    p = sub.add_parser("silo", help="run a silo: a torchrun DDP job as a Flower client")
     p.add_argument("--nproc-per-node", type=int, default=1,
                    help="processes on this machine (one per GPU with --device cuda)")
     p.add_argument("--nnodes", type=int, default=1, help="machines in the silo (default 1)")

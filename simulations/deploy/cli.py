@@ -79,7 +79,7 @@ def add_parsers(sub: Any) -> None:
                                    f"it in Flower's home, else {STATE_DIR})")
     dwn.set_defaults(func=cmd_down)
 
-    crt = sub.add_parser("certs", help="development CA, TLS certificates, SuperNode auth keys")
+    crt = sub.add_parser("certs", help="write a development CA, TLS certificates and node keys")
     crt.add_argument("--out", default=str(STATE_DIR / "certs"), help="output directory")
     crt.add_argument("--nodes", type=int, default=3, help="SuperNode certificates and keys")
     crt.add_argument("--hosts", default="127.0.0.1,localhost,::1",

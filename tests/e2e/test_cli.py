@@ -77,7 +77,7 @@ def test_target_on_federated_stops_on_the_clients_figure_and_report_shows_it(tmp
             f"min {summary['federated_accuracy_min']:.2f})") in proc.stderr
 
     report = fedring("report", summary["run_id"], "--db", db, "--json", cwd=tmp_path)
-    rows = {r["round"]: r for r in json.loads(report.stdout)["rounds_table"]}
+    rows = {r["round"]: r for r in json.loads(report.stdout)["rounds"]}
     assert rows[1]["accuracy"] >= 0.25 and "federated_accuracy" not in rows[1]
     for key in ("federated_accuracy", "federated_accuracy_p10", "federated_accuracy_min"):
         assert rows[2][key] == summary[key]

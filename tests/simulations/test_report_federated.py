@@ -111,7 +111,7 @@ def test_report_json_carries_the_stored_figures_and_nothing_on_other_rounds(
     url = f"sqlite:///{tmp_path / 'runs.db'}"
     run_id, figures = _store(url, personal=True)
     out = json.loads(_report(capsys, monkeypatch, 80, run_id, "--db", url, "--json"))
-    table = {row["round"]: row for row in out["rounds_table"]}
+    table = {row["round"]: row for row in out["rounds"]}
     for rnd, row in table.items():
         stored = figures.get(rnd, {})
         for key in spread(_answers(1, personal=True)):

@@ -85,9 +85,10 @@ def test_report_json(db, tmp_path, capsys, monkeypatch):
     code, out, _ = _run(capsys, monkeypatch, 80, "report", run_id, "--db", url, "--json",
                         "--out", str(tmp_path / "plots"))
     report = json.loads(out)
-    assert code == 0 and report["run"] == run_id and report["rounds"] == ROUNDS
-    assert [r["round"] for r in report["rounds_table"]] == list(range(ROUNDS + 1))
-    assert report["rounds_table"][-1]["bytes_up"] == 1_000_000
+    assert code == 0 and report["run"]["run"] == run_id
+    assert report["run"]["num_rounds"] == ROUNDS
+    assert [r["round"] for r in report["rounds"]] == list(range(ROUNDS + 1))
+    assert report["rounds"][-1]["bytes_up"] == 1_000_000
     assert not (tmp_path / "plots").exists()
 
 
