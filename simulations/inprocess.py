@@ -13,6 +13,7 @@ nodes run at once).
 from __future__ import annotations
 
 import itertools
+import logging
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from client.protocol.keys import NodeConfigKey
 from privacy.secagg.workers import default_threads
+from simulations.module_task import TaskCodeError
 
 CLIENT_ERROR = 1  # Error code carried by replies of a ClientApp that raised
 CohortHook = Callable[[list[tuple[Message, Context]]], None]
@@ -148,6 +150,10 @@ class InProcessGrid(Grid):
         context = self._contexts[msg.metadata.dst_node_id]
         try:
             reply = self._client_app(msg, context)
+        except TaskCodeError as exc:  # the user's code: one line, its traceback in the log
+            logging.getLogger("fedring").error("client %s: %s", context.node_id, exc,
+                                               exc_info=exc)
+            reply = Message(Error(CLIENT_ERROR, str(exc)), reply_to=msg)
         except Exception as exc:  # a failing client is a reply with an error, not a crash
             reply = Message(Error(CLIENT_ERROR, f"{type(exc).__name__}: {exc}\n"
                                                 f"{traceback.format_exc(limit=3)}"),
