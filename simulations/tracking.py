@@ -159,7 +159,9 @@ class MlflowSink:
             return
         run = self.client.create_run(experiment_id, run_name=run_id,
                                      tags={RUN_ID_TAG: run_id,
-                                           "fedring.scenario": str(config.get("name", ""))})
+                                           "fedring.name": str(config.get("name", "")),
+                                           "fedring.scenario": str(config.get(
+                                               "scenario", config.get("name", "")))})
         self.run_id = run.info.run_id
         params = [Param(key, str(value)[:6000]) for key, value in flatten(config)]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
