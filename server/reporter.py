@@ -72,7 +72,7 @@ def noise_text(metrics: dict[str, float]) -> str:
 def round_line(rnd: int, rounds: int | None, metrics: dict[str, float],
                relations: dict[str, str] | None = None) -> str:
     """One line on a finished round: accuracy, loss, the updates' fates, the privacy
-    figures with their relations where DP is on, central DP's noise to signal
+    figures with their relations where DP is on, central DP's noise to signal before them
     (:func:`noise_text`), and a secure round's outcome
     (``secure_survivors``, ``secure_aborted``); on a round that evaluated on the clients,
     their accuracy with its 10th percentile and minimum (:func:`federated_text`)."""
@@ -81,11 +81,11 @@ def round_line(rnd: int, rounds: int | None, metrics: dict[str, float],
                            for fate in ("accepted", "rejected", "dropped")))
     if federated := federated_text(metrics):
         parts.append(federated)
+    if noise := noise_text(metrics):
+        parts.append(noise)
     for key in PRIVACY_FIGURES:
         if key in metrics:
             parts.append(figure_text(key, metrics[key], relations or {}))
-    if noise := noise_text(metrics):
-        parts.append(noise)
     if metrics.get("secure_aborted"):
         parts.append("secure round aborted")
     elif "secure_survivors" in metrics:
