@@ -17,7 +17,7 @@ from simulations.module_task import make_task
 from simulations.task import task_spec
 from simulations.tracking import open_tracking
 
-RESERVED_RUN_CONFIG = ("scenario", "overrides", "resume", "db")
+RESERVED_RUN_CONFIG = ("scenario", "overrides", "resume", "db", "name")
 
 
 def config_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def config_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     separated by commas or spaces (``flwr run . --run-config 'overrides="federation.rounds=3"'``),
     and any dotted ``section.key`` entry is applied as a typed override too. Where neither
     sets ``federation.clients``, the ServerApp's count of connected nodes (``NODES_KEY``)
-    does.
+    does. ``name`` names the run (``--name``).
     """
     raw = str(run_config.get("overrides", "")).replace(",", " ").split()
     values = {k: v for k, v in run_config.items() if k not in RESERVED_RUN_CONFIG and "." in k}
@@ -35,7 +35,8 @@ def config_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:
     if nodes and "federation.clients" not in values and not any(
             o.split("=", 1)[0].strip() == "federation.clients" for o in raw):
         values["federation.clients"] = int(nodes)
-    return load_scenario(str(run_config.get("scenario", "default")), raw, values=values)
+    return load_scenario(str(run_config.get("scenario", "default")), raw, values=values,
+                         name=str(run_config.get("name") or "") or None)
 
 
 def spec_from_run_config(run_config: Mapping[str, Any]) -> dict[str, Any]:

@@ -133,3 +133,13 @@ def test_a_run_stored_before_overrides_were_recorded_differs_in_nothing(tmp_path
         store.create_run(config={"name": "default"}, seed=0, name="default")
     (row,) = _runs(capsys, monkeypatch, db)
     assert row["differs"] == "" and row["overrides"] == {} and row["scenario"] is None
+
+
+def test_flwr_run_names_a_run_with_the_name_run_config_key():
+    from simulations.apps import config_from_run_config
+
+    assert config_from_run_config({"scenario": "default", "name": "trial-3"})["name"] == \
+        "trial-3"
+    assert config_from_run_config({"scenario": "default", "name": ""})["name"] == "default"
+    with pytest.raises(ValueError, match="name"):
+        config_from_run_config({"scenario": "default", "name": "x" * 65})
