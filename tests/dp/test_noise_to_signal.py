@@ -4,13 +4,15 @@ it stays above 1: the run that learns nothing at z = 0.8 over 10 clients gets a 
 
 The ratio is checked against the released model itself: every client sends the same u
 (inside the clip), so the round releases (n u + noise) / n and the test reads the noise
-back from the model change; and against N(0, (z C)^2)'s expected norm, z C sqrt(d).
+back from the model change; and against N(0, (z C)^2)'s expected norm, z C sqrt(d). The
+same holds under secure aggregation, where the server noises the decoded sum.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from flwr.clientapp import ClientApp
 from rich.console import Console
 
 from client.protocol.keys import MetricKey
+from client.secure_client import register_secagg
 from privacy.dp import DPConfig
 from server.config import FederationConfig
 from server.dp import DPController, dp_controller, noise_hint
@@ -50,22 +53,39 @@ def same_update_app(u: np.ndarray) -> ClientApp:
     return app
 
 
+@dataclass
+class Fixed:
+    delta: np.ndarray
+    metrics: MetricRecord
+
+
+def secure_same_update_app(u: np.ndarray) -> ClientApp:
+    """Under secure aggregation every client masks u: the server decodes only the sum."""
+    app = ClientApp()
+    register_secagg(app, lambda msg, ctx: Fixed(u, MetricRecord({MetricKey.NUM_EXAMPLES: 10})))
+    return app
+
+
 def fedring_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == "fedring" and r.levelno == logging.WARNING]
 
 
-@pytest.mark.parametrize("z", [0.05, 0.8])
-def test_ratio_is_the_released_noise_over_the_mean_clipped_update(run_inprocess, store, z):
+@pytest.mark.parametrize(("z", "secure"), [(0.05, False), (0.8, False), (0.8, True)],
+                         ids=["z0.05", "z0.8", "z0.8-secure-sum"])
+def test_ratio_is_the_released_noise_over_the_mean_clipped_update(run_inprocess, store, z,
+                                                                  secure):
     clients, clip = 5, 0.5
     cfg = load_scenario("default", [*CENTRAL, f"federation.clients={clients}",
                                     "federation.rounds=1", f"dp.clip={clip}",
-                                    f"dp.noise_multiplier={z}"])
+                                    f"dp.noise_multiplier={z}",
+                                    f"secagg.enabled={str(secure).lower()}"])
     dim = build_task(cfg).initial_params()[0].size
     u = np.random.default_rng(1).standard_normal(dim)
     u = (u * (0.9 * clip / np.linalg.norm(u))).astype(np.float32)  # not clipped
     models: list[np.ndarray] = []
-    summary = run_inprocess(cfg, same_update_app(u), models=models)
+    app = secure_same_update_app(u) if secure else same_update_app(u)
+    summary = run_inprocess(cfg, app, models=models)
     [row] = [r for r in store.rounds(summary["run_id"]) if r.round == 1]
     assert row.num_accepted == clients
 
