@@ -15,6 +15,8 @@ from server.store import Store, UpdateRecord
 from simulations.cli import SIGPIPE_EXIT
 
 FEDRING = str(Path(sys.executable).with_name("fedring"))
+# as a user runs it: Python's stdout is buffered into a pipe
+ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "COLUMNS": "80"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def test_a_closed_pipe_ends_a_command_quietly(big_run, tmp_path, argv):
     url, run_id = big_run
     writer = subprocess.Popen([FEDRING, "report", run_id, "--db", url, "--out",
                                str(tmp_path), *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "80"})
+                              stderr=subprocess.PIPE, env=ENV)
     head = subprocess.Popen(["head", "-c", "10"], stdin=writer.stdout, stdout=subprocess.PIPE)
     writer.stdout.close()  # head alone reads it: its exit closes the pipe
     out, _ = head.communicate(timeout=120)
@@ -59,7 +61,7 @@ def test_a_reader_gone_before_the_first_write_ends_any_command_quietly(big_run):
     buffer until the command ends, and fails there."""
     url, _ = big_run
     writer = subprocess.Popen([FEDRING, "runs", "--db", url, "--json"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+                              stderr=subprocess.PIPE, env=ENV)
     head = subprocess.Popen(["head", "-c", "0"], stdin=writer.stdout, stdout=subprocess.PIPE)
     writer.stdout.close()
     head.communicate(timeout=120)

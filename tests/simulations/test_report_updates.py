@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from server.store import Store
+from server.store import Store, UpdateRecord
 from simulations.cli import main, run_simulation
 from simulations.config import load_scenario
 from simulations.report import HEADERS
@@ -158,3 +158,36 @@ def test_noise_to_signal_is_an_essential_column(real_run, tmp_path, capsys, monk
     for rnd in (1, 2):
         row = next(line.split() for line in out.splitlines() if line.split()[:1] == [str(rnd)])
         assert row[at] == f"{ratio[rnd]:.4f}"
+
+
+LONG = ("node 3112233445566778899 unreachable: Error: Message delivery failed; the "
+        "destination node is offline or was never registered with this SuperLink (code 0x501)")
+
+
+@pytest.mark.parametrize("columns", [120, 80, 60])
+def test_long_reasons_and_node_ids_wrap_whole(tmp_path, capsys, monkeypatch, columns):
+    """Deployed clients' ids are 19 digits and their reasons Flower's whole error text:
+    neither is cut at any width, in the table or below each update."""
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    nodes = ["1112233445566778899", "2112233445566778899", "3112233445566778899"]
+    with Store(url) as store:
+        run_id = store.create_run(config={}, seed=0, name="deployed")
+        store.record_round(run_id, round=0, model_version=0)  # the initial model: no updates
+        store.record_round(run_id, round=1, model_version=1, num_sampled=3, num_replies=2,
+                           num_accepted=1, num_rejected=1, num_dropped=1, updates=[
+                               UpdateRecord(nodes[0], "accepted", num_examples=40, staleness=0,
+                                            norm=1.25, weight=0.5),
+                               UpdateRecord(nodes[1], "rejected", norm=3.5, reason=(
+                                   "reply to the message sent to node 2112233445566778899 "
+                                   "says it comes from node 9 [spoofed]")),
+                               UpdateRecord(nodes[2], "dropped", reason=LONG)])
+    code, out, _ = _report(capsys, monkeypatch, columns, run_id, "--db", url, "--updates")
+    assert code == 0 and "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= columns
+    flat = _flat(out)
+    for node in nodes:
+        assert node in out.split()  # an id never wraps
+    assert _flat(LONG) in flat and "node 9 [spoofed]" in flat  # no markup eaten
+    code, out, _ = _report(capsys, monkeypatch, columns, run_id, "--db", url, "--updates",
+                           "--round", "0")
+    assert code == 0 and "no updates recorded in round 0 of run" in _flat(out)
