@@ -208,7 +208,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     from server.store import Store
@@ -235,7 +234,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             table.add_row(*(cells[c] for c in columns))
         return table
 
-    console = Console()
+    console = _stdout_console()
     longest = max((len(r["differs"]) for r in runs), default=0)
     room = console.width - _width(table_of(None)) - 2  # its padding and rule
     console.print(table_of(min(max(longest, len("differs")), max(MIN_DIFFERS_WIDTH, room))
