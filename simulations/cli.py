@@ -443,9 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="a run's rounds (table and plot) and updates")
     rep.add_argument("run_id")
-    rep.add_argument("--db", default=DEFAULT_DB)
+    rep.add_argument("--db", default=DEFAULT_DB, help="SQLAlchemy URL of the run store")
     rep.add_argument("--out", default="runs", help="directory for the PNG plot")
-    rep.add_argument("--wide", action="store_true", help="every column, not only the essential")
+    rep.add_argument("--wide", action="store_true",
+                     help="every column, not only the essential (more tables where they "
+                          "do not fit in one)")
     rep.add_argument("--json", action="store_true",
                      help="print the run and its rounds as one JSON object (no plot)")
     rep.add_argument("--updates", action="store_true",
