@@ -1,8 +1,10 @@
 # Quick start: `make run` (set up .venv, run the default simulation), `make test`.
 # Another Python: `make run PYTHON=python3.12` (or a path) sets up and uses .venv-3.12.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-# The interpreter PYTHON names (a pyenv shim that is not active resolves through pyenv).
-PYTHON_EXE := $(shell .ci/find-python $(PYTHON) 2>/dev/null)
+# The interpreter PYTHON names: itself if it runs, else (a pyenv shim for a version that is
+# not active, or a bare 3.12) the one .ci/find-python finds through pyenv.
+PYTHON_EXE := $(shell $(PYTHON) -c '' >/dev/null 2>&1 && echo $(PYTHON) \
+	|| .ci/find-python $(PYTHON) 2>/dev/null)
 PYTHON_VERSION := $(if $(PYTHON_EXE),$(shell $(PYTHON_EXE) -c \
 	'import sys; print("%d.%d" % sys.version_info[:2])'))
 DEFAULT_VERSION := 3.11
