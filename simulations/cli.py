@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 DEFAULT_DB = "sqlite:///runs/fedring.db"
 ENGINES = ("inprocess", "flower")
 TARGETS = ("central", "federated", "personal")  # server.driver_config.TARGET_METRICS' keys
+LAST_RUN = "last"  # `fedring report last`: the newest run in the store
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status of a pipe writer whose reader is gone
 MIN_DIFFERS_WIDTH = 8  # narrower, `fedring runs` wraps names to fit "differs" this wide
 MIN_REASON_WIDTH = 24  # narrower, `report --updates` puts each reason below its update
@@ -242,6 +243,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _newest_run(store: Any, db: str) -> str:
+    """The id of the run created last in ``store``."""
+    runs = store.list_runs()  # newest first
+    if not runs:
+        raise ValueError(f"no runs in {db} yet: start one with `fedring simulate`")
+    return runs[0].run_id
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from server.store import Store
     from simulations.report import (
@@ -256,6 +265,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.round is not None and not args.updates:
         raise ValueError("--round picks the round whose updates to show: add --updates")
     with Store(args.db, create=False) as store:
+        if args.run_id == LAST_RUN:
+            args.run_id = _newest_run(store, args.db)
         info = store.get_run(args.run_id)
         rounds = store.rounds(args.run_id)
         rows = round_table(rounds, store.secagg_rounds(args.run_id))
@@ -442,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     runs.set_defaults(func=cmd_runs)
 
     rep = sub.add_parser("report", help="a run's rounds (table and plot) and updates")
-    rep.add_argument("run_id")
+    rep.add_argument("run_id", help=f"a run id from `fedring runs`, or {LAST_RUN} for the "
+                                    "newest run")
     rep.add_argument("--db", default=DEFAULT_DB, help="SQLAlchemy URL of the run store")
     rep.add_argument("--out", default="runs", help="directory for the PNG plot")
     rep.add_argument("--wide", action="store_true",

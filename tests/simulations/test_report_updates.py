@@ -191,3 +191,13 @@ def test_long_reasons_and_node_ids_wrap_whole(tmp_path, capsys, monkeypatch, col
     code, out, _ = _report(capsys, monkeypatch, columns, run_id, "--db", url, "--updates",
                            "--round", "0")
     assert code == 0 and "no updates recorded in round 0 of run" in _flat(out)
+
+
+def test_last_reports_the_newest_run(real_run, capsys, monkeypatch, tmp_path):
+    url, run_id = real_run
+    code, out, _ = _report(capsys, monkeypatch, 80, "last", "--db", url, "--json")
+    assert code == 0 and json.loads(out)["run"]["run"] == run_id
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    Store(empty).close()
+    code, out, err = _report(capsys, monkeypatch, 80, "last", "--db", empty)
+    assert code == 2 and "no runs in" in err and len(err.strip().splitlines()) == 1
