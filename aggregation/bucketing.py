@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from aggregation.robust import RobustCombine, _count
+from aggregation.robust import RobustCombine, integer_param
 
 __all__ = ["Bucketing", "auto_bucket_size", "bucket_bound", "bucket_means"]
 
@@ -70,15 +70,16 @@ class Bucketing(RobustCombine):
                  f: int = 0) -> None:
         super().__init__()
         self.inner = inner
-        self.f = _count("f", f)
+        self.f = integer_param("f", f)
         if size is None and self.f < 1:
             raise ValueError("aggregation.bucketing = -1 sizes buckets from the attacker "
                              "fraction aggregation.f / n, but aggregation.f = 0: set "
                              "aggregation.f >= 1 (the attackers defended against); otherwise "
                              "aggregation.bucketing must be >= 0 (the bucket size; 0 or 1: "
                              "no bucketing)")
-        self.size = None if size is None else _count("aggregation.bucketing", size, minimum=2)
-        self.seed = _count("seed", seed)
+        self.size = None if size is None else \
+            integer_param("aggregation.bucketing", size, minimum=2)
+        self.seed = integer_param("seed", seed)
         self.version = 0
         self.needs_center = inner.needs_center
 

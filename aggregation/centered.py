@@ -23,7 +23,7 @@ import numbers
 
 import numpy as np
 
-from aggregation.robust import RobustCombine, _count
+from aggregation.robust import RobustCombine, integer_param
 
 __all__ = ["CenteredClip", "GeometricMedian", "clip_around", "median_radius"]
 
@@ -53,7 +53,7 @@ class _Majority(RobustCombine):
 
     def __init__(self, f: int = 0) -> None:
         super().__init__()
-        self.f = _count("f", f)
+        self.f = integer_param("f", f)
 
     def min_updates(self) -> int:
         return 2 * self.f + 1
@@ -85,15 +85,15 @@ class CenteredClip(_Majority):
                  late_after: int = 0) -> None:
         super().__init__(f)
         self.radius = _finite_positive("clip_radius", radius, zero_ok=True)
-        self.iterations = _count("clip_iterations", iterations, minimum=1)
+        self.iterations = integer_param("clip_iterations", iterations, minimum=1)
         self.scale = _finite_positive("clip_scale", scale)
         if self.radius and self.scale != 1.0:
             raise ValueError(f"clip_scale = {scale:g} scales the automatic radius (the median "
                              f"distance), but clip_radius = {radius:g} fixes the radius: set "
                              "clip_scale = 1 or clip_radius = 0")
         self.late_iterations = None if late_iterations is None else \
-            _count("clip_iterations_late", late_iterations, minimum=1)
-        self.late_after = _count("clip_late_after", late_after)
+            integer_param("clip_iterations_late", late_iterations, minimum=1)
+        self.late_after = integer_param("clip_late_after", late_after)
         self.center: np.ndarray | None = None
         self.version = 0
 
@@ -135,7 +135,7 @@ class GeometricMedian(_Majority):
     def __init__(self, nu: float = 1e-6, iterations: int = 8, f: int = 0) -> None:
         super().__init__(f)
         self.nu = _finite_positive("gm_nu", nu)
-        self.iterations = _count("gm_iterations", iterations, minimum=1)
+        self.iterations = integer_param("gm_iterations", iterations, minimum=1)
 
     def describe(self) -> str:
         return f"geometric median with f={self.f}"

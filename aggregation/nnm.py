@@ -27,7 +27,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from aggregation.robust import _GRAM_BLOCK, RobustCombine, _count, pairwise_sq_distances
+from aggregation.robust import (
+    _GRAM_BLOCK,
+    RobustCombine,
+    integer_param,
+    pairwise_sq_distances,
+)
 
 __all__ = ["NNM", "nearest_neighbours", "nnm_mix"]
 
@@ -66,7 +71,7 @@ class NNM(RobustCombine):
     def __init__(self, inner: RobustCombine, f: int) -> None:
         super().__init__()
         self.inner = inner
-        self.f = _count("f", f, minimum=1)
+        self.f = integer_param("f", f, minimum=1)
         self.needs_center = inner.needs_center
 
     def describe(self) -> str:

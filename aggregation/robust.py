@@ -27,15 +27,14 @@ from aggregation.combine import Combine
 from aggregation.stages import Clip
 
 __all__ = [
-    "ROBUST_KINDS", "Bulyan", "CoordinateMedian", "Krum", "MultiKrum", "NormBound",
-    "RobustCombine", "TrimmedMean", "krum_scores", "make_robust_combine",
-    "pairwise_sq_distances",
+    "Bulyan", "CoordinateMedian", "Krum", "MultiKrum", "NormBound", "RobustCombine",
+    "TrimmedMean", "integer_param", "krum_scores", "pairwise_sq_distances",
 ]
 
 _GRAM_BLOCK = 1 << 18  # float64 elements per column block of the Gram product (~2 MB)
 
 
-def _count(name: str, value: object, minimum: int = 0) -> int:
+def integer_param(name: str, value: object, minimum: int = 0) -> int:
     """An integer parameter (integral floats from config files accepted) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
             not float(value).is_integer():
@@ -228,7 +227,7 @@ class Krum(RobustCombine):
 
     def __init__(self, f: int) -> None:
         super().__init__()
-        self.f = _count("f", f)
+        self.f = integer_param("f", f)
 
     def describe(self) -> str:
         return f"Krum with f={self.f}"
@@ -263,7 +262,7 @@ class MultiKrum(Krum):
 
     def __init__(self, f: int, m: int | None = None) -> None:
         super().__init__(f)
-        self.m = None if m is None else _count("m", m, minimum=1)
+        self.m = None if m is None else integer_param("m", m, minimum=1)
 
     def describe(self) -> str:
         return f"Multi-Krum with f={self.f}" + ("" if self.m is None else f", m={self.m}")
@@ -319,7 +318,7 @@ class Bulyan(RobustCombine):
 
     def __init__(self, f: int, selection: str = "iterated") -> None:
         super().__init__()
-        self.f = _count("f", f)
+        self.f = integer_param("f", f)
         if selection not in self.SELECTIONS:
             raise ValueError(f"Bulyan selection must be one of {', '.join(self.SELECTIONS)}, "
                              f"got {selection!r}")
@@ -397,44 +396,3 @@ class NormBound(Clip):
 
     def __repr__(self) -> str:
         return f"NormBound(max_norm={self.clip!r})"
-
-
-_FACTORIES: dict[str, tuple[type[RobustCombine], tuple[str, ...], tuple[str, ...]]] = {
-    # kind: (class, required parameters, optional parameters)
-    "median": (CoordinateMedian, (), ()),
-    "trimmed_mean": (TrimmedMean, ("beta",), ()),
-    "krum": (Krum, ("f",), ()),
-    "multikrum": (MultiKrum, ("f",), ("m",)),
-    "bulyan": (Bulyan, ("f",), ("selection",)),
-}
-ROBUST_KINDS: tuple[str, ...] = (*_FACTORIES, "centered_clip", "geometric_median")
-
-
-def _factory(kind: str) -> tuple[type[RobustCombine], tuple[str, ...], tuple[str, ...]]:
-    if kind in _FACTORIES:
-        return _FACTORIES[kind]
-    from aggregation.centered import CenteredClip, GeometricMedian  # (it imports this module)
-
-    return {"centered_clip": (CenteredClip, (), ("radius", "iterations", "f", "scale",
-                                                 "late_iterations", "late_after")),
-            "geometric_median": (GeometricMedian, (), ("nu", "iterations", "f"))}[kind]
-
-
-def make_robust_combine(kind: str, **params: Any) -> RobustCombine:
-    """Build a robust combine by name: median, trimmed_mean(beta), krum(f),
-    multikrum(f, m=None), bulyan(f, selection="iterated"), centered_clip(radius=0,
-    iterations=3, f=0, scale=1, late_iterations=None, late_after=0),
-    geometric_median(nu=1e-6, iterations=8, f=0)."""
-    if kind not in ROBUST_KINDS:
-        raise ValueError(f"unknown robust combine '{kind}'; choose one of: "
-                         f"{', '.join(ROBUST_KINDS)}")
-    cls, required, optional = _factory(kind)
-    unknown = sorted(set(params) - set(required) - set(optional))
-    if unknown:
-        allowed = ", ".join(required + optional) or "none"
-        raise ValueError(f"combine '{kind}' got unknown parameters {unknown}; "
-                         f"it takes: {allowed}")
-    missing = [p for p in required if p not in params]
-    if missing:
-        raise ValueError(f"combine '{kind}' needs parameters {missing}")
-    return cls(**params)

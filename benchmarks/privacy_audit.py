@@ -37,7 +37,8 @@ from machine_info import load_average, machine
 
 import server.dp
 from privacy.dp.audit import audit_epsilon
-from server.audit import AuditConfig, CanaryAudit
+from server.audit import CanaryAudit
+from server.config import AuditConfig
 from server.store import Store
 from simulations.config import load_scenario
 

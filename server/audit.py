@@ -37,7 +37,6 @@ bound exceeds it. Without DP there is no reference and no flag.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,7 +44,7 @@ import numpy as np
 from aggregation import PostStage
 from privacy.dp.audit import AuditEstimate, audit_epsilon, canary_entropy, random_canaries
 from privacy.dp.relations import ADD_REMOVE
-from server.config import FederationConfig
+from server.config import AuditConfig, FederationConfig
 
 if TYPE_CHECKING:
     from privacy.dp.accountant import PrivacyAccountant
@@ -54,27 +53,6 @@ if TYPE_CHECKING:
     from server.scenario import ServerScenario
 
 DELTA_WITHOUT_DP = 1e-5
-
-
-@dataclass(frozen=True)
-class AuditConfig:
-    """``[audit]``: ``canaries`` (K; 0 = off) and ``canary_norm`` (runs without DP)."""
-
-    canaries: int = 0
-    canary_norm: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.canaries < 0 or self.canaries == 1:
-            raise ValueError(f"audit.canaries must be 0 (no audit) or at least 2 (a Gaussian "
-                             f"is fitted to their cosines; a few hundred give a usable "
-                             f"estimate), got {self.canaries}")
-        if not self.canary_norm >= 0:
-            raise ValueError(f"audit.canary_norm must be >= 0 (0: the median norm of each "
-                             f"round's accepted updates), got {self.canary_norm}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.canaries > 0
 
 
 def sampling_rate(fed: FederationConfig) -> float:

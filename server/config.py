@@ -1,4 +1,5 @@
-"""The server's scenario sections, validated: ``[federation]`` and ``[aggregation]``."""
+"""The server's scenario sections, validated: ``[federation]``, ``[aggregation]`` and
+``[audit]``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from aggregation.bucketing import Bucketing
 from aggregation.combine import Combine
 from aggregation.nnm import NNM
 from aggregation.pipeline import PreCombine
-from aggregation.robust import ROBUST_KINDS, RobustCombine, make_robust_combine
+from aggregation.registry import ROBUST_KINDS, make_robust_combine
+from aggregation.robust import RobustCombine
 from aggregation.server_opt import SERVER_OPTIMIZERS
 from aggregation.staleness import StalenessFn, staleness_function
 
@@ -334,3 +336,25 @@ class AggregationConfig:
             client_radius=self.clip_radius if client_side else None,
             pre_combine=pre_combine,
         )
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """``[audit]``: ``canaries`` (K; 0 = off) and ``canary_norm`` (runs without DP); the
+    canaries themselves: ``server.audit``."""
+
+    canaries: int = 0
+    canary_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.canaries < 0 or self.canaries == 1:
+            raise ValueError(f"audit.canaries must be 0 (no audit) or at least 2 (a Gaussian "
+                             f"is fitted to their cosines; a few hundred give a usable "
+                             f"estimate), got {self.canaries}")
+        if not self.canary_norm >= 0:
+            raise ValueError(f"audit.canary_norm must be >= 0 (0: the median norm of each "
+                             f"round's accepted updates), got {self.canary_norm}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.canaries > 0

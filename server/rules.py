@@ -17,13 +17,13 @@ from privacy.dp import DPConfig
 from privacy.dp.distributed import MAX_BITS as DISTRIBUTED_MAX_BITS
 from privacy.secagg import max_scale
 from privacy.secagg.quantize import max_level
-from server.audit import AuditConfig
 from server.cohort import evaluation_cohort_size
 from server.compression import SECURE_MIN_BITS, compression_config
 from server.config import (
     CLIENT_SIDE_COMBINE,
     LINEAR_COMBINES,
     AggregationConfig,
+    AuditConfig,
     FederationConfig,
 )
 from server.cross_silo_config import CROSS_SILO, GOSSIP, GossipConfig, SiloConfig

@@ -14,8 +14,7 @@ from typing import Any
 
 from aggregation.compression import CompressionConfig
 from privacy.dp import DPConfig
-from server.audit import AuditConfig
-from server.config import AggregationConfig, FederationConfig
+from server.config import AggregationConfig, AuditConfig, FederationConfig
 from server.cross_silo_config import GossipConfig, SiloConfig
 from server.driver_config import DriverConfig
 from server.secagg_config import SecAggScenarioConfig

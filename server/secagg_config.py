@@ -47,13 +47,15 @@ from typing import Any
 
 from client.protocol.secagg import STAGE_NAMES
 from privacy.secagg import check_headroom, default_k, default_threshold, max_scale
-from privacy.secagg.params import SECURITY_BITS, exposed_fraction, meets_security
-from privacy.secagg.policy import (
+from privacy.secagg.params import (
     DEFAULT_CORRUPT_FRACTION,
     MIN_NEIGHBORS,
     MIN_SURVIVORS,
-    SecAggPolicy,
+    SECURITY_BITS,
+    exposed_fraction,
+    meets_security,
 )
+from privacy.secagg.policy import SecAggPolicy
 from server.config import FederationConfig
 from server.driver_config import DriverConfig
 

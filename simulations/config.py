@@ -16,10 +16,10 @@ from typing import Any
 from aggregation.compression import CompressionConfig
 from client.training import TrainConfig
 from privacy.dp import DPConfig
-from server.audit import AuditConfig
 from server.config import (
     STALENESS_KEYS,
     AggregationConfig,
+    AuditConfig,
     FederationConfig,
     check_choice,
     from_section,

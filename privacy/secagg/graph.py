@@ -8,6 +8,7 @@ change between versions), and the construction below is deterministic given it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 import numpy as np
@@ -144,3 +145,26 @@ def _first_occurrences(codes: np.ndarray) -> np.ndarray:
     first = np.zeros(codes.size, dtype=bool)
     first[np.unique(codes, return_index=True)[1]] = True
     return first
+
+
+def graph_connected(n: int, k: int, seed: bytes) -> bool:
+    """Whether the public k-regular graph on n nodes from ``seed`` is connected."""
+    if 2 * k >= n - 1:  # any two nodes are adjacent or share a neighbour
+        return True
+    return _connected(n, k, bytes(seed))
+
+
+@lru_cache(maxsize=16)
+def _connected(n: int, k: int, seed: bytes) -> bool:
+    return len(component_of(0, regular_graph(n, k, seed))) == n
+
+
+def component_of(start: int, adjacency: Mapping[int, Iterable[int]] | list) -> set[int]:
+    """The nodes reachable from ``start`` (``adjacency[u]``: the neighbours of u)."""
+    seen, todo = {start}, [start]
+    while todo:
+        for v in adjacency[todo.pop()]:
+            if v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return seen

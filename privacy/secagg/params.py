@@ -26,8 +26,8 @@ probability for random regular graphs once (1-delta-gamma)*k = Omega(log n); it 
 not computed here; instead :meth:`SecAggConfig.create` draws its seed until the graph
 is connected, and the policy (:mod:`privacy.secagg.policy`) refuses a disconnected one.
 When no k < n-1 satisfies 1-2, k = n-1: full SecAgg (Bonawitz et al., CCS 2017).
-``corrupt_fraction`` defaults to :data:`privacy.secagg.policy.DEFAULT_CORRUPT_FRACTION`
-(0.05; why, and what it costs in k, is documented there).
+``corrupt_fraction`` defaults to :data:`DEFAULT_CORRUPT_FRACTION` (0.05; why, and what
+it costs in k, is documented in :mod:`privacy.secagg.policy`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from privacy.secagg.policy import DEFAULT_CORRUPT_FRACTION, MIN_NEIGHBORS, graph_connected
+from privacy.secagg.graph import graph_connected
 
 MAX_CLIENTS = 1 << 20
 MAX_DIM = 1 << 34
@@ -49,6 +49,10 @@ MAX_BITS = 64
 SEED_BYTES = 32
 _MAX_SEED_DRAWS = 64
 SECURITY_BITS = 40  # no client has t corrupt neighbours except with probability 2^-40
+# The strict policy's minimums and assumed corrupt fraction (privacy.secagg.policy: why)
+MIN_NEIGHBORS = 3
+MIN_SURVIVORS = 3
+DEFAULT_CORRUPT_FRACTION = 0.05
 
 
 def default_threshold(k: int, threshold_fraction: float = 0.5) -> int:

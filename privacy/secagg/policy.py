@@ -18,14 +18,15 @@ SecAgg+ promises the server learns only the sum of at least ``min_survivors`` cl
 ``corrupt_fraction`` (gamma) is the fraction of clients assumed to collude with the
 server when the degree is chosen automatically (:func:`privacy.secagg.default_k`: no
 client may have t corrupt neighbours except with probability 2^-40). Its default,
-:data:`DEFAULT_CORRUPT_FRACTION` = 0.05, is the corrupt fraction of Bell et al.'s
-worked example (10^4 clients, "withstanding up to 5% corrupt clients and 5% dropouts").
-Assuming none (gamma = 0) leaves, at n = 100 (k = 31, t = 16) with a third of the
-clients colluding, about 2.7 clients per round exposed. With 10% dropouts planned it
-costs little: k = 34 instead of 31 at n = 100, 38 instead of 35 at n = 1000, 41 at
-10^4 (unchanged); up to about n = 50 the full graph is chosen either way. Raising it
-to 0.1 needs k = 56 at n = 100 (60 at 1000); at 1/3 the full graph up to n = 100 and
-k = 532 at n = 1000. A client's masking cost grows like k + 1.
+``DEFAULT_CORRUPT_FRACTION`` = 0.05 (in :mod:`privacy.secagg.params`, with the
+minimums), is the corrupt fraction of Bell et al.'s worked example (10^4 clients,
+"withstanding up to 5% corrupt clients and 5% dropouts"). Assuming none (gamma = 0)
+leaves, at n = 100 (k = 31, t = 16) with a third of the clients colluding, about 2.7
+clients per round exposed. With 10% dropouts planned it costs little: k = 34 instead of
+31 at n = 100, 38 instead of 35 at n = 1000, 41 at 10^4 (unchanged); up to about n = 50
+the full graph is chosen either way. Raising it to 0.1 needs k = 56 at n = 100 (60 at
+1000); at 1/3 the full graph up to n = 100 and k = 532 at n = 1000. A client's masking
+cost grows like k + 1.
 
 A policy only ever gets stricter where a user can reach it: the scenario's ``[secagg]``
 section and a client's node config raise the minimums, never lower them. Weaker
@@ -34,20 +35,16 @@ policies exist for tests of the protocol mechanics at tiny n, built explicitly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from privacy.secagg.errors import ProtocolError
-from privacy.secagg.graph import regular_graph
-
-if TYPE_CHECKING:
-    from privacy.secagg.params import SecAggConfig
-
-MIN_NEIGHBORS = 3
-MIN_SURVIVORS = 3
-DEFAULT_CORRUPT_FRACTION = 0.05
+from privacy.secagg.graph import graph_connected
+from privacy.secagg.params import (
+    DEFAULT_CORRUPT_FRACTION,
+    MIN_NEIGHBORS,
+    MIN_SURVIVORS,
+    SecAggConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -113,26 +110,3 @@ DEFAULT_POLICY = SecAggPolicy()
 #: For tests of the protocol mechanics at tiny n (k = 1, two clients): never a default.
 MECHANICS_ONLY = SecAggPolicy(min_neighbors=1, min_survivors=1, require_majority=False,
                               require_connected=False)
-
-
-def graph_connected(n: int, k: int, seed: bytes) -> bool:
-    """Whether the public k-regular graph on n nodes from ``seed`` is connected."""
-    if 2 * k >= n - 1:  # any two nodes are adjacent or share a neighbour
-        return True
-    return _connected(n, k, bytes(seed))
-
-
-@lru_cache(maxsize=16)
-def _connected(n: int, k: int, seed: bytes) -> bool:
-    return len(component_of(0, regular_graph(n, k, seed))) == n
-
-
-def component_of(start: int, adjacency: Mapping[int, Iterable[int]] | list) -> set[int]:
-    """The nodes reachable from ``start`` (``adjacency[u]``: the neighbours of u)."""
-    seen, todo = {start}, [start]
-    while todo:
-        for v in adjacency[todo.pop()]:
-            if v not in seen:
-                seen.add(v)
-                todo.append(v)
-    return seen

@@ -48,10 +48,10 @@ import numpy as np
 from privacy.secagg import keys as kx
 from privacy.secagg import messages as msg
 from privacy.secagg.errors import Aborted, ProtocolError
-from privacy.secagg.graph import regular_graph
+from privacy.secagg.graph import component_of, regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
 from privacy.secagg.params import SecAggConfig
-from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy, component_of
+from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
 from privacy.secagg.stages import REPLY_TYPE, Stage

@@ -19,8 +19,8 @@ from privacy.dp.audit import (
     gaussian_mechanism_epsilon,
     random_canaries,
 )
-from server.audit import AuditConfig, CanaryAudit, sampling_rate
-from server.config import AggregationConfig, FederationConfig
+from server.audit import CanaryAudit, sampling_rate
+from server.config import AggregationConfig, AuditConfig, FederationConfig
 from server.dp import DPController
 from server.rounds import RoundResult, update_record
 from server.rules import check_audit

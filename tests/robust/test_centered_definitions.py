@@ -13,7 +13,8 @@ import pytest
 from aggregation import Pipeline, Validate, Weight
 from aggregation.bucketing import Bucketing
 from aggregation.centered import CenteredClip, GeometricMedian, clip_around
-from aggregation.robust import RobustCombine, make_robust_combine
+from aggregation.registry import make_robust_combine
+from aggregation.robust import RobustCombine
 from aggregation.update import Update
 
 

@@ -12,7 +12,8 @@ import aggregation.nnm as nnm_module
 from aggregation.bucketing import Bucketing
 from aggregation.centered import CenteredClip, GeometricMedian
 from aggregation.nnm import NNM, nearest_neighbours, nnm_mix
-from aggregation.robust import CoordinateMedian, RobustCombine, make_robust_combine
+from aggregation.registry import make_robust_combine
+from aggregation.robust import CoordinateMedian, RobustCombine
 from server.config import AggregationConfig
 from simulations.config import load_scenario
 

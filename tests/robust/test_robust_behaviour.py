@@ -7,8 +7,8 @@ import pytest
 
 from aggregation.combine import WeightedMean
 from aggregation.pipeline import Pipeline
+from aggregation.registry import ROBUST_KINDS, make_robust_combine
 from aggregation.robust import (
-    ROBUST_KINDS,
     Bulyan,
     CoordinateMedian,
     Krum,
@@ -16,7 +16,6 @@ from aggregation.robust import (
     NormBound,
     RobustCombine,
     TrimmedMean,
-    make_robust_combine,
 )
 from aggregation.stages import Candidate, Clip, UpdateStage, Validate, Weight
 from aggregation.update import Update
