@@ -34,13 +34,8 @@ from client.protocol.secagg import SecAggKey, SecAggRecord
 from privacy.secagg import SecAggServer
 from server.cross_silo import CrossSiloOutcome, CrossSiloRounds, judge
 from server.rounds import RoundResult
-from server.secure_round import (
-    SecureRoundOutcome,
-    SecureSettings,
-    secure_result,
-    secure_round,
-    session_id,
-)
+from server.secure_outcome import SecureRoundOutcome
+from server.secure_round import SecureSettings, secure_result, secure_round, session_id
 from server.store import UpdateRecord
 
 KEY_STAGES = ("advertise_keys", "share_keys", "unmasking")  # dropouts there are the silo's

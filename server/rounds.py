@@ -34,7 +34,7 @@ from server.wire_bytes import ByteCountingGrid
 
 if TYPE_CHECKING:
     from server.dp import DPController
-    from server.secure_round import SecureRoundOutcome
+    from server.secure_outcome import SecureRoundOutcome
 
 
 @dataclass

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from client.protocol.evaluation import evaluate_config
 from privacy.secagg.eval_words import MAX_CLIPPED, STEP, EvalTotals, EvalWords
 from server.rounds import RunContext
-from server.secure_round import SecureRoundOutcome, secure_round
+from server.secure_outcome import SecureRoundOutcome
+from server.secure_round import secure_round
 from server.spread import COUNT, LOSS, PERSONAL, PREFIX, accuracy_key
 from server.store import EvalRecord
 

@@ -31,7 +31,7 @@ from server.secagg_config import SecAggScenarioConfig
 
 if TYPE_CHECKING:
     from server.reporter import Reporter
-    from server.secure_round import SecureRoundOutcome
+    from server.secure_outcome import SecureRoundOutcome
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,13 @@ pulled in a forbidden one.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Collection
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -93,3 +96,104 @@ def test_server_reaches_client_only_through_the_protocol() -> None:
     assert "server.cross_silo" in loaded and "server.app" in loaded
     assert offenders(loaded, ("client", "simulations"), allowed=("client.protocol",)) == {}
     assert offenders(loaded, ("torch",)) == {}  # the silos train; the server never needs it
+
+
+# -- No import cycle, type-only ones included ---------------------------------------------
+
+PACKAGES = ("server", "client", "simulations", "aggregation", "privacy")
+
+
+def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package) for every ``.py`` file of ``packages``."""
+    found = {}
+    for top in packages:
+        for path in sorted((root / top).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+def _imported(node: ast.Import | ast.ImportFrom, package: str, known: Collection[str]
+              ) -> list[str]:
+    """The modules an import statement names (``from m import x``: ``m.x`` when that is a
+    module, else ``m``), relative imports resolved against ``package``."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, dict[str, int]]:
+    """Module -> {module it imports: line}, over every import statement in the file:
+    module level, inside functions and under ``if TYPE_CHECKING:`` alike (an import of
+    ``a.b`` is an edge to ``a.b``, not to its parent packages)."""
+    modules = _modules(root, packages)
+    graph: dict[str, dict[str, int]] = {}
+    for name, (path, is_package) in modules.items():
+        package = name if is_package else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                for target in _imported(node, package, modules):
+                    while target not in modules and "." in target:
+                        target = target.rpartition(".")[0]
+                    if target in modules and target != name:
+                        edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def _cycle_through(graph: dict[str, dict[str, int]], start: str) -> list[str] | None:
+    """A shortest cycle from ``start`` back to it (breadth first), or None."""
+    came_from: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        node = todo.pop(0)
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if nxt not in came_from:
+                came_from[nxt] = node
+                todo.append(nxt)
+    return None
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each cycle once, as ``a (line 3) -> b (line 9) -> a``: the line of each import."""
+    seen: set[frozenset[str]] = set()
+    out = []
+    for start in sorted(graph):
+        cycle = _cycle_through(graph, start)
+        if cycle and frozenset(cycle) not in seen:
+            seen.add(frozenset(cycle))
+            out.append(" -> ".join(f"{a} (line {graph[a][b]})"
+                                   for a, b in pairwise(cycle))
+                       + f" -> {cycle[-1]}")
+    return out
+
+
+def test_no_import_cycle_type_only_imports_included() -> None:
+    graph = import_graph(ROOT)
+    assert {"server.rounds", "aggregation.robust", "privacy.secagg.policy"} <= set(graph)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles (each import's line in its module):\n" + "\n".join(cycles)
+
+
+def test_cycle_check_sees_imports_under_type_checking_and_in_functions(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from pkg.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from . import c\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    (pkg / "d.py").write_text("from pkg import a\n")
+    assert import_cycles(import_graph(tmp_path, ("pkg",))) == [
+        "pkg.a (line 3) -> pkg.b (line 2) -> pkg.c (line 1) -> pkg.a"]
