@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from aggregation.robust import (
-    _GRAM_BLOCK,
+    GRAM_BLOCK,
     RobustCombine,
     integer_param,
     pairwise_sq_distances,
@@ -58,7 +58,7 @@ def nnm_mix(x: np.ndarray, w: np.ndarray, f: int) -> tuple[np.ndarray, np.ndarra
     mix = np.zeros((n, n), dtype=np.float64)
     np.put_along_axis(mix, near, 1.0 / k, axis=1)
     out = np.empty((n, d), dtype=np.float32)
-    step = max(1024, _GRAM_BLOCK // max(n, 1))
+    step = max(1024, GRAM_BLOCK // max(n, 1))
     for start in range(0, d, step):
         out[:, start:start + step] = mix @ x[:, start:start + step].astype(np.float64)
     return out, mix @ np.asarray(w, dtype=np.float64)

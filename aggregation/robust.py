@@ -31,7 +31,7 @@ __all__ = [
     "TrimmedMean", "integer_param", "krum_scores", "pairwise_sq_distances",
 ]
 
-_GRAM_BLOCK = 1 << 18  # float64 elements per column block of the Gram product (~2 MB)
+GRAM_BLOCK = 1 << 18  # float64 elements per column block of the Gram product (~2 MB)
 
 
 def integer_param(name: str, value: object, minimum: int = 0) -> int:
@@ -64,7 +64,7 @@ def pairwise_sq_distances(x: np.ndarray) -> np.ndarray:
     """
     n, d = x.shape
     gram = np.zeros((n, n), dtype=np.float64)
-    step = max(1024, _GRAM_BLOCK // max(n, 1))
+    step = max(1024, GRAM_BLOCK // max(n, 1))
     with _one_blas_thread():
         for start in range(0, d, step):
             block = x[:, start:start + step].astype(np.float64)
