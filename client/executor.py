@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from client.protocol import flower_compat as flower
+
 TASK_HEARTBEAT_S = 15.0  # the SuperNode expires a running task after 60 s without one
 log = logging.getLogger("fedring.executor")
 
@@ -33,9 +35,7 @@ class _Heartbeat:
     """Keep one claimed task alive; failures are ignored (the task then simply expires)."""
 
     def __init__(self, client: Any, interval: float = TASK_HEARTBEAT_S) -> None:
-        from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
-
-        self._client, self._request = client, SendTaskHeartbeatRequest()
+        self._client, self._request = client, flower.task_heartbeat_request()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
         self._thread.start()
@@ -52,67 +52,25 @@ class _Heartbeat:
         self._thread.join()
 
 
-def pull_task_input(client: Any, backoff_s: float) -> tuple[Any, Any, Any, Any]:
-    """``flwr-clientapp``'s pull of the task's Message, Context, Run and FAB, retrying a
-    message object that is not there yet after ``backoff_s`` rather than Flower's 1 s: the
-    SuperNode creates the task before it has pulled the message's objects from the SuperLink.
-    """
-    from flwr.app import Message
-    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
-    from flwr.proto.node_pb2 import Node
-    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
-        make_confirm_message_received_fn_protobuf,
-        make_pull_object_fn_protobuf,
-    )
-    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
-    from flwr.supercore.task_identity import TaskIdentity
-
-    res = client.PullTaskInput(PullTaskInputRequest())
-    TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
-    TaskIdentity.node_id = res.context.node_id
-    context, run, fab = (context_from_proto(res.context), run_from_proto(res.run),
-                         fab_from_proto(res.fab))
-    pulled = client.PullMessages(PullAppMessagesRequest())
-    if not pulled.messages_list:
-        raise RuntimeError("no message for this task on the Runtime API")
-    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
-    message = pull_and_inflate_object_from_tree(
-        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
-        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node,
-                                                  context.run_id),
-        return_type=Message, initial_backoff=backoff_s, backoff_cap=max(backoff_s, 0.1))
-    message.metadata.__dict__["_message_id"] = tree.object_id  # as flwr-clientapp does
-    return message, context, run, fab
-
-
 class WarmExecutor:
     """Claim ClientApp tasks from one SuperNode's Runtime API and run them in this process."""
 
     def __init__(self, runtime_api_address: str, *, insecure: bool,
                  root_certificates: bytes | None = None, poll_s: float = 0.05) -> None:
-        from flwr.proto.runtime_pb2 import AcquireTaskRequest
-        from flwr.supercore.constant import TaskType
-        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
-
         self.address, self.insecure, self.certificates = (runtime_api_address, insecure,
                                                           root_certificates)
         self.poll_s = poll_s
         self.tasks_done = 0
-        self._acquire_request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
-        self._control = self._client([RuntimeVersionHttpInterceptor(component_name="SuperExec")])
+        self._acquire_request = flower.acquire_task_request()
+        self._control = self._client("SuperExec")
         self._app: Any = None
         self._fab_hash = ""
         self._app_dir: Path | None = None
 
-    def _client(self, interceptors: list[Any]) -> Any:
-        from flwr.supercore.retry import make_simple_http_retry_invoker
-        from flwr.supercore.runtime import RuntimeHttpClient
-
-        return RuntimeHttpClient.from_server_address(
-            server_address=self.address, insecure=self.insecure,
-            root_certificates=self.certificates, interceptors=interceptors,
-            retry_invoker=make_simple_http_retry_invoker())
+    def _client(self, component: str, token: str | None = None) -> Any:
+        return flower.runtime_client(self.address, insecure=self.insecure,
+                                     root_certificates=self.certificates,
+                                     component=component, token=token)
 
     def serve_forever(self) -> None:
         """Claim and run tasks until interrupted; idle between polls."""
@@ -136,22 +94,14 @@ class WarmExecutor:
     def run_task(self, token: str) -> None:
         """What ``flwr-clientapp --token`` does, without starting or importing anything anew."""
         from flwr.app import Error, Message
-        from flwr.clientapp.client_app import LoadClientAppError
-        from flwr.common.constant import ErrorCode, SubStatus
-        from flwr.supercore.interceptors import (
-            RuntimeTokenHttpInterceptor,
-            RuntimeVersionHttpInterceptor,
-        )
-        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-        client = self._client([RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
-                               RuntimeTokenHttpInterceptor(token)])
+        client = self._client("flwr-clientapp", token)
         heartbeat = _Heartbeat(client)
         message = reply = context = None
-        sub_status, details = SubStatus.FAILED, "ClientApp task failed"
+        sub_status, details = flower.SubStatus.FAILED, "ClientApp task failed"
         t0 = time.perf_counter()
         try:
-            message, context, run, fab = pull_task_input(client, self.poll_s)
+            message, context, run, fab = flower.pull_task_input(client, self.poll_s)
             t1 = time.perf_counter()
             app = self._load(run, fab)
             t2 = time.perf_counter()
@@ -159,42 +109,32 @@ class WarmExecutor:
             t3 = time.perf_counter()
             log.info("task %s: input %.3f s, load %.3f s, app %.3f s",
                      message.metadata.message_type, t1 - t0, t2 - t1, t3 - t2)
-            sub_status, details = SubStatus.COMPLETED, ""
+            sub_status, details = flower.SubStatus.COMPLETED, ""
         except Exception as exc:
             log.exception("ClientApp task failed")
-            code = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION if isinstance(exc, LoadClientAppError)
-                    else ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+            code = flower.client_app_error_code(exc)
             details = f"{type(exc)}:<'{exc}'>"
             if message is not None:
                 reply = Message(Error(code=code, reason=details), reply_to=message)
         finally:
             try:
                 if reply is not None and context is not None:
-                    push_message(client, reply, context)
+                    flower.push_reply(client, reply, context)
             except Exception:
                 log.exception("pushing the reply failed")
-                sub_status, details = SubStatus.FAILED, "pushing the reply failed"
+                sub_status, details = flower.SubStatus.FAILED, "pushing the reply failed"
             heartbeat.stop()
-            push_task_output(client=client, context=context, sub_status=sub_status,
-                             details=details)
+            flower.push_task_output(client, context, sub_status, details)
             client.close()
             self.tasks_done += 1
             log.info("task done in %.3f s", time.perf_counter() - t0)
 
     def _load(self, run: Any, fab: Any) -> Any:
         """The run's ClientApp, loaded once per FAB (a new FAB drops the old app's modules)."""
-        from flwr.cli.install import install_from_fab
-        from flwr.clientapp.utils import get_load_client_app_fn
-        from flwr.common.config import get_project_dir
-
         if self._app is not None and fab.hash_str == self._fab_hash:
             return self._app
         self._unload()
-        app_dir = Path(get_project_dir(run.fab_id, run.fab_version, fab.hash_str))
-        if not (app_dir / "pyproject.toml").is_file():  # the path is unique to this FAB
-            install_from_fab(fab.content, skip_prompt=True)
-        loader = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
-        self._app = loader(run.fab_id, run.fab_version, fab.hash_str)
+        self._app, app_dir = flower.load_client_app(run, fab)
         self._fab_hash, self._app_dir = fab.hash_str, app_dir
         return self._app
 
@@ -242,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(args.threads)
     if args.parent_pid is not None:
-        from flwr.supercore.app_utils import start_parent_process_monitor
-
-        start_parent_process_monitor(args.parent_pid)  # SIGINT here once the parent is gone
+        flower.start_parent_process_monitor(args.parent_pid)  # SIGINT once the parent is gone
     certs = Path(args.root_certificates).read_bytes() if args.root_certificates else None
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     executor = WarmExecutor(args.runtime_api_address, insecure=args.insecure,

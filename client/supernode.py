@@ -15,14 +15,16 @@ intervals instead of 1 s. Every other argument goes to ``flower-supernode`` unch
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
-import types
 from collections.abc import Callable
 
-FLOWER_IDLE_SLEEP_S = 3.0  # the values hard-coded in start_client_internal.py
-FLOWER_REPLY_SLEEP_S = 0.5
+from client.protocol.flower_compat import (
+    FLOWER_IDLE_SLEEP_S,
+    FLOWER_REPLY_SLEEP_S,
+    run_flower_supernode,
+    shorten_supernode_waits,
+)
 
 
 def make_sleep(pull_s: float, reply_s: float,
@@ -41,20 +43,11 @@ def make_sleep(pull_s: float, reply_s: float,
 
 
 def shorten_waits(pull_s: float, reply_s: float) -> None:
-    """Patch the SuperNode loop's module-level ``time`` with one whose sleep is shortened."""
-    from flwr.supernode import start_client_internal as loop
-
-    if getattr(loop, "time", None) is not time:
-        raise RuntimeError("flwr.supernode.start_client_internal no longer uses the time "
-                           "module; this wrapper does not support this Flower version")
-    shim = types.ModuleType("time")
-    shim.__dict__.update(time.__dict__)
-    shim.sleep = make_sleep(pull_s, reply_s)
-    loop.time = shim
+    """Give the SuperNode loop a sleep that is shortened (``make_sleep``)."""
     # A message can be pulled before all its objects are on the SuperLink; Flower retries
     # an object after 1 s, doubling. Retry after the reply interval instead.
-    loop.pull_objects = functools.partial(loop.pull_objects, initial_backoff=reply_s * 5,
-                                          backoff_cap=1.0)
+    shorten_supernode_waits(make_sleep(pull_s, reply_s), initial_backoff=reply_s * 5,
+                            backoff_cap=1.0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,13 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.pull_interval <= 0 or args.reply_interval <= 0:
         parser.error("--pull-interval and --reply-interval must be > 0")
     shorten_waits(args.pull_interval, args.reply_interval)
-    from flwr.supercore.logger import update_console_handler
-    from flwr.supernode.cli.flower_supernode import flower_supernode
-
-    update_console_handler(timestamps=True, colored=sys.stderr.isatty())
-
-    sys.argv = ["flower-supernode", *(rest[1:] if rest[:1] == ["--"] else rest)]
-    flower_supernode()
+    run_flower_supernode(rest[1:] if rest[:1] == ["--"] else rest,
+                         colored=sys.stderr.isatty())
 
 
 if __name__ == "__main__":

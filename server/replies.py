@@ -10,6 +10,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from aggregation import Layout, Update
 from aggregation.compression import RoundCodec
 from client.protocol.errors import WireError
+from client.protocol.flower_compat import record_entries
 from client.protocol.keys import MetricKey, RecordName
 from client.protocol.npy import npy_view
 from client.protocol.updates import read_delta, read_model
@@ -71,12 +72,12 @@ def _plain_delta_reply(reply: Message, client_id: str, version: int) -> Update |
     or refuses with its reason. The delta is read and checked as ever (``read_delta``)."""
     if reply.has_error() or reply.metadata.message_type != "train":
         return None
-    records = reply.content.__dict__.get("_data")
+    records = record_entries(reply.content)
     if type(records) is not dict or len(records) != 2:
         return None
     dense = records.get(RecordName.DELTA)
     metrics = next((v for k, v in records.items() if k != RecordName.DELTA), None)
-    values = metrics.__dict__.get("_data") if type(metrics) is MetricRecord else None
+    values = record_entries(metrics) if type(metrics) is MetricRecord else None
     if type(dense) is not ArrayRecord or type(values) is not dict:
         return None
     count, base = values.get(MetricKey.NUM_EXAMPLES), values.get(MetricKey.BASE_VERSION)

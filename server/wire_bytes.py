@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+
+from client.protocol.flower_compat import Run
 
 
 def payload_bytes(message: Message) -> int:

@@ -1,8 +1,8 @@
 """The Flower (Ray) engine of ``fedring simulate --engine flower``.
 
 It runs the ServerApp and ClientApp objects through the Simulation Runtime that
-``flwr run`` itself uses for a local simulation (``flwr-simulation`` calls
-``flwr.simulation.run_simulation._run_simulation``), not through the deprecated
+``flwr run`` itself uses for a local simulation
+(``client.protocol.flower_compat.run_simulation``), not through the deprecated
 ``flwr.simulation.run_simulation`` Python API, which only adds a deprecation warning in
 front of the same call.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from flwr.clientapp import ClientApp
 from flwr.serverapp import ServerApp
 
+from client.protocol.flower_compat import run_simulation
 from simulations.engine_config import EngineConfig
 
 
@@ -19,10 +20,5 @@ def run_on_ray(server_app: ServerApp, client_app: ClientApp, *, num_supernodes: 
                engine: EngineConfig) -> None:
     """Run ``server_app`` against ``num_supernodes`` virtual SuperNodes on Ray, each
     ClientApp with the CPUs and GPU share of ``engine``, on the cluster it names."""
-    from flwr.simulation.run_simulation import _run_simulation
-    from flwr.supercore.telemetry import EventType
-
-    _run_simulation(num_supernodes=num_supernodes, server_app=server_app,
-                    client_app=client_app, backend_name="ray",
-                    backend_config=engine.backend_config(),
-                    exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE)
+    run_simulation(server_app, client_app, num_supernodes=num_supernodes,
+                   backend_name="ray", backend_config=engine.backend_config())

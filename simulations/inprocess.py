@@ -20,11 +20,18 @@ from typing import Any
 
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
+from client.protocol.flower_compat import (
+    SUPERLINK_NODE_ID,
+    Run,
+    copy_record,
+    empty_run,
+    record_entries,
+    set_message_id,
+    set_sender,
+    set_task_identity,
+)
 from client.protocol.keys import NodeConfigKey
 from privacy.secagg.workers import default_threads
 from simulations.module_task import TaskCodeError
@@ -43,29 +50,12 @@ def _private_records(content: RecordDict) -> RecordDict:
     each one again (which cost more than the rest of a message's delivery).
     """
     copy = RecordDict()
-    entries = _entries(copy)
+    entries = record_entries(copy)
     if entries is None:  # not the TypedDict layout this was written for: copy the slow way
         return RecordDict({key: value if isinstance(value, ArrayRecord)
                            else type(value)(dict(value)) for key, value in content.items()})
     for key, value in content.items():
-        entries[key] = value if isinstance(value, ArrayRecord) else _copy_record(value)
-    return copy
-
-
-def _entries(record: Any) -> dict[str, Any] | None:
-    """The dict a Flower record keeps its entries in (``flwr``'s TypedDict), or None."""
-    data = record.__dict__.get("_data")
-    return data if isinstance(data, dict) else None
-
-
-def _copy_record(record: Any) -> Any:
-    """A copy of a Config or Metric record, made without checking its entries again."""
-    entries = _entries(record)
-    if entries is None:
-        return type(record)(dict(record))
-    copy = object.__new__(type(record))
-    copy.__dict__.update(record.__dict__)
-    copy.__dict__["_data"] = dict(entries)
+        entries[key] = value if isinstance(value, ArrayRecord) else copy_record(value)
     return copy
 
 
@@ -87,7 +77,7 @@ class InProcessGrid(Grid):
             raise ValueError(f"the in-process engine needs at least one node, got {num_nodes}")
         self._client_app = client_app
         self._cohort_hook = cohort_hook
-        self._run = Run.create_empty(run_id)
+        self._run = empty_run(run_id)
         if mask_threads is None:
             mask_threads = 1 if self.concurrent else default_threads()
         self._contexts = {
@@ -102,9 +92,7 @@ class InProcessGrid(Grid):
         self._queue: dict[str, Message] = {}
         self._ids = itertools.count(1)
         # As Flower's runtimes do before running a ServerApp: messages read this identity.
-        TaskIdentity.task_id = run_id
-        TaskIdentity.run_id = run_id
-        TaskIdentity.node_id = SUPERLINK_NODE_ID
+        set_task_identity(run_id, run_id, SUPERLINK_NODE_ID)
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -127,10 +115,8 @@ class InProcessGrid(Grid):
                 continue  # an unknown node never answers, as on a real SuperLink
             msg_id = f"m{next(self._ids)}"
             msg.content = _private_records(msg.content)
-            meta = msg.metadata.__dict__
-            meta["_message_id"] = msg_id
-            meta["_run_id"] = self._run.run_id
-            meta["_src_node_id"] = SUPERLINK_NODE_ID
+            set_message_id(msg, msg_id)
+            set_sender(msg, self._run.run_id, SUPERLINK_NODE_ID)
             self._queue[msg_id] = msg
             ids.append(msg_id)
         return ids
@@ -158,7 +144,7 @@ class InProcessGrid(Grid):
             reply = Message(Error(CLIENT_ERROR, f"{type(exc).__name__}: {exc}\n"
                                                 f"{traceback.format_exc(limit=3)}"),
                             reply_to=msg)
-        reply.metadata.__dict__["_message_id"] = f"r{msg_id}"
+        set_message_id(reply, f"r{msg_id}")
         return reply
 
     def send_and_receive(self, messages: Iterable[Message], *,

@@ -197,3 +197,113 @@ def test_cycle_check_sees_imports_under_type_checking_and_in_functions(tmp_path:
     (pkg / "d.py").write_text("from pkg import a\n")
     assert import_cycles(import_graph(tmp_path, ("pkg",))) == [
         "pkg.a (line 3) -> pkg.b (line 2) -> pkg.c (line 1) -> pkg.a"]
+
+
+# Flower's internals: only ``client.protocol.flower_compat`` may name them --------------
+
+FLOWER_COMPAT = "client/protocol/flower_compat.py"
+# Flower's public API: these modules, and of ``flwr.common`` only its exported names.
+FLOWER_PUBLIC = ("flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp",
+                 "flwr.clientapp.mod", "flwr.common")
+# Private attributes of Flower objects that code reaches through ``__dict__``.
+FLOWER_PRIVATE_STRINGS = ("_data", "_message_id", "_run_id", "_src_node_id",
+                          "_reply_to_message_id", "_is_dirty")
+# Files that still import a Flower internal the compat module already offers: the list
+# may only shrink (a test fails when an entry is no longer needed).
+FLOWER_PENDING = {
+    "server/settle.py": ["Flower internal module flwr.common.constant (SUPERLINK_NODE_ID, "
+                         "ErrorCode)"],
+    "client/app.py": ["Flower internal module flwr.clientapp.typing (ClientAppCallable)"],
+}
+
+
+def _flower_common_names() -> set[str]:
+    import flwr.common
+
+    return set(flwr.common.__all__)
+
+
+def flower_internals(source: str, common: set[str]) -> list[str]:
+    """Each use in ``source`` of a Flower internal module or private name, as
+    "line N: what"."""
+    import ast
+
+    found = []
+
+    def bad_import(module: str, names: list[str]) -> str | None:
+        if module != "flwr" and not module.startswith("flwr."):
+            return None
+        if module not in FLOWER_PUBLIC:
+            return f"Flower internal module {module}"
+        private = [n for n in names if n.startswith("_")
+                   or (module == "flwr.common" and n != "*" and n not in common)]
+        return f"private names {private} from {module}" if private else None
+
+    for node in ast.walk(ast.parse(source)):
+        what = None
+        if isinstance(node, ast.Import):
+            what = next(filter(None, (bad_import(a.name, []) for a in node.names)), None)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            what = bad_import(node.module, [a.name for a in node.names])
+            if what and node.module not in FLOWER_PUBLIC:
+                what += f" ({', '.join(a.name for a in node.names)})"
+        elif isinstance(node, ast.Constant) and node.value in FLOWER_PRIVATE_STRINGS:
+            what = f"the private attribute name {node.value!r}"
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "__dict__":
+            what = "__dict__[...]"
+        if what:
+            found.append(f"line {node.lineno}: {what}")
+    return found
+
+
+def _flower_offenders() -> dict[str, list[str]]:
+    common = _flower_common_names()
+    found = {}
+    for top in ("server", "client", "simulations", "aggregation", "privacy"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel != FLOWER_COMPAT and (uses := flower_internals(path.read_text(), common)):
+                found[rel] = uses
+    return found
+
+
+def _without_lines(uses: list[str]) -> list[str]:
+    return [use.split(": ", 1)[1] for use in uses]
+
+
+def test_flower_internals_only_in_the_compat_module() -> None:
+    found = {path: uses for path, uses in _flower_offenders().items()
+             if _without_lines(uses) != FLOWER_PENDING.get(path)}
+    assert found == {}, (
+        "use client.protocol.flower_compat (add a named function there, with its test in "
+        "tests/architecture/test_flower_compat.py) instead of Flower's internals")
+
+
+def test_pending_flower_internals_are_still_there() -> None:
+    """An entry of FLOWER_PENDING whose file no longer needs it must be removed."""
+    found = _flower_offenders()
+    for path, uses in FLOWER_PENDING.items():
+        assert _without_lines(found.get(path, [])) == uses, f"update FLOWER_PENDING[{path!r}]"
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("from flwr.supercore.run import Run\n", "Flower internal module flwr.supercore.run"),
+    ("import flwr.simulation.run_simulation\n", "Flower internal module"),
+    ("from flwr.simulation.run_simulation import _run_simulation\n", "_run_simulation"),
+    ("from flwr.app import _secret\n", "private names ['_secret']"),
+    ("from flwr.common import log\nfrom flwr.common import serde\n", "private names ['serde']"),
+    ("def f(m):\n    m.metadata.__dict__['message_id'] = 1\n", "__dict__[...]"),
+    ("def f(r):\n    return r.__dict__.get('_data')\n", "'_data'"),
+    ("ID = '_message_id'\n", "'_message_id'"),
+])
+def test_flower_internals_rule_catches(source: str, expected: str) -> None:
+    found = flower_internals(source, _flower_common_names())
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_flower_internals_rule_allows_the_public_api() -> None:
+    source = ("from flwr.app import ArrayRecord, Message\nfrom flwr.serverapp import Grid\n"
+              "from flwr.clientapp import ClientApp\nfrom flwr.common import log\n"
+              "import numpy._core\nfrom aggregation import _x\nself_data = '_personal'\n")
+    assert flower_internals(source, _flower_common_names()) == []

@@ -1,0 +1,385 @@
+"""Every use of a Flower private name or internal module, behind small named functions.
+
+fedring otherwise uses only Flower's public API (``flwr.app``, ``flwr.serverapp``,
+``flwr.clientapp``). Each function here names the Flower internal it relies on; all were
+checked against Flower 1.41, and tests/architecture/test_flower_compat.py fails when a
+Flower release changes one of them. It lives in ``client.protocol`` because the server,
+the client and the simulations may all import it; the heavy internal modules (the
+Runtime API, the SuperNode, the CLI, the simulation engine) are imported inside the
+functions that need them, so importing this module costs only ``flwr.app``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode, SubStatus
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+__all__ = [
+    "FLOWER_IDLE_SLEEP_S", "FLOWER_REPLY_SLEEP_S", "SUPERLINK_NODE_ID", "ClientAppCallable",
+    "ErrorCode", "Run", "SubStatus", "acquire_task_request", "array_from_fields",
+    "client_app_error_code", "copy_record", "empty_run", "flwr_home", "load_client_app",
+    "pull_task_input", "push_reply", "push_task_output", "read_flower_config",
+    "record_entries", "record_from_entries", "register_node", "run_flower_supernode",
+    "run_simulation", "runtime_client", "set_message_id", "set_sender", "set_task_identity",
+    "shorten_supernode_waits", "start_parent_process_monitor", "task_heartbeat_request",
+    "write_flower_config", "write_superlink_connection",
+]
+
+R = TypeVar("R", MetricRecord, ArrayRecord, RecordDict)
+
+# Records -------------------------------------------------------------------------------
+
+_ENTRIES = "_data"  # flwr.app.message.typeddict.TypedDict: entries in __dict__["_data"]
+
+
+def record_entries(record: Any) -> dict[Any, Any] | None:
+    """The dict a Flower record keeps its entries in, or None if it keeps none there.
+
+    Relies on ``flwr.app.message.typeddict.TypedDict`` (the base of every record and of
+    ``RecordDict``) storing its entries in ``__dict__["_data"]`` (Flower 1.41)."""
+    data = record.__dict__.get(_ENTRIES)
+    return data if isinstance(data, dict) else None
+
+
+def _empty(kind: type[R]) -> R | None:
+    """An empty ``kind`` whose entries live in a dict that ``copy`` copies, or None."""
+    empty = kind()
+    copy = getattr(empty, "copy", None)
+    data = record_entries(empty)
+    if copy is None or data is None or record_entries(copy()) is data:
+        return None
+    return empty
+
+
+_EMPTY: dict[type, Any] = {kind: _empty(kind) for kind in (MetricRecord, ArrayRecord, RecordDict)}
+
+
+def record_from_entries(kind: type[R], entries: Mapping[str, Any]) -> R | None:
+    """A ``kind`` (MetricRecord, ArrayRecord or RecordDict) holding ``entries`` as they
+    are, without Flower's check of each; None when Flower's layout is not the known one.
+
+    Relies on ``TypedDict.copy`` copying ``__dict__["_data"]`` and on setting that dict
+    making the object Flower's constructor makes (Flower 1.41)."""
+    empty = _EMPTY[kind]
+    if empty is None:
+        return None
+    record = empty.copy()
+    record.__dict__[_ENTRIES] = dict(entries)
+    return record
+
+
+def copy_record(record: Any) -> Any:
+    """A copy of a Config or Metric record with its own entry dict, made without checking
+    the entries again. Relies on ``TypedDict``'s ``__dict__["_data"]`` (Flower 1.41)."""
+    entries = record_entries(record)
+    if entries is None:
+        return type(record)(dict(record))
+    copy = object.__new__(type(record))
+    copy.__dict__.update(record.__dict__)
+    copy.__dict__[_ENTRIES] = dict(entries)
+    return copy
+
+
+_ARRAY_FIELDS = ("dtype", "shape", "stype", "data")
+
+
+def _array_layout_known() -> bool:
+    """Whether Flower's Array keeps exactly its four fields in ``__dict__`` (lazily adding
+    its ``_is_dirty`` flag and caches)."""
+    probe = Array("float32", (1,), "numpy.ndarray", b"\0" * 4)
+    return set(probe.__dict__) - {"_is_dirty"} == set(_ARRAY_FIELDS)
+
+
+_ARRAY_LAYOUT_KNOWN = _array_layout_known()
+
+
+def array_from_fields(dtype: str, shape: tuple[int, ...], stype: str,
+                      data: Any) -> Array | None:
+    """The ``Array`` Flower's constructor makes of these fields, made without its checks
+    (``data`` may be any bytes-like buffer); None when Flower's layout is not the known one.
+
+    Relies on ``flwr.app.Array`` keeping ``dtype``, ``shape``, ``stype`` and ``data`` in
+    its ``__dict__`` and adding ``_is_dirty`` lazily (Flower 1.41)."""
+    if not _ARRAY_LAYOUT_KNOWN:
+        return None
+    arr = object.__new__(Array)
+    arr.__dict__.update(dtype=dtype, shape=shape, stype=stype, data=data)
+    return arr
+
+
+# Message metadata and identity --------------------------------------------------------
+
+def set_message_id(message: Message, message_id: str) -> None:
+    """Give ``message`` the id ``message.metadata.message_id`` returns, as a SuperLink or
+    ``flwr-clientapp`` does. Relies on ``Metadata.__dict__["_message_id"]`` (Flower 1.41)."""
+    message.metadata.__dict__["_message_id"] = message_id
+
+
+def set_sender(message: Message, run_id: int, src_node_id: int) -> None:
+    """Set the run and sending node a SuperLink stamps on a pushed message. Relies on
+    ``Metadata.__dict__["_run_id"]`` and ``["_src_node_id"]`` (Flower 1.41)."""
+    meta = message.metadata.__dict__
+    meta["_run_id"] = run_id
+    meta["_src_node_id"] = src_node_id
+
+
+def empty_run(run_id: int) -> Run:
+    """A ``Run`` with only its id, what a Grid holds before ``set_run``. Relies on
+    ``flwr.supercore.run.Run.create_empty`` (Flower 1.41; ``Grid.run`` returns a ``Run``)."""
+    return Run.create_empty(run_id)
+
+
+def set_task_identity(task_id: int, run_id: int, node_id: int) -> None:
+    """The identity new Messages read their run and source node from, as Flower's runtimes
+    set it before running an app. Relies on ``flwr.supercore.task_identity.TaskIdentity``
+    (Flower 1.41)."""
+    TaskIdentity.task_id = task_id
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = node_id
+
+
+# The Runtime API of a SuperNode (the warm executor) ---------------------------------
+
+def task_heartbeat_request() -> Any:
+    """``flwr.proto.runtime_pb2.SendTaskHeartbeatRequest()`` (Flower 1.41)."""
+    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
+
+    return SendTaskHeartbeatRequest()
+
+
+def acquire_task_request() -> Any:
+    """A request claiming a ClientApp task: ``flwr.proto.runtime_pb2.AcquireTaskRequest``
+    for ``flwr.supercore.constant.TaskType.CLIENT_APP`` (Flower 1.41)."""
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+
+    return AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
+
+
+def runtime_client(address: str, *, insecure: bool, root_certificates: bytes | None,
+                   component: str, token: str | None = None) -> Any:
+    """A Runtime API client as ``flwr-clientapp`` makes one, naming ``component`` (and with
+    a task ``token``). Relies on ``flwr.supercore.runtime.RuntimeHttpClient``,
+    ``flwr.supercore.interceptors`` and ``flwr.supercore.retry`` (Flower 1.41)."""
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+    )
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name=component)]
+    if token is not None:
+        interceptors.append(RuntimeTokenHttpInterceptor(token))
+    return RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=insecure, root_certificates=root_certificates,
+        interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
+
+
+def pull_task_input(client: Any, backoff_s: float) -> tuple[Any, Any, Any, Any]:
+    """``flwr-clientapp``'s pull of the task's Message, Context, Run and FAB, retrying a
+    message object that is not there yet after ``backoff_s`` rather than Flower's 1 s.
+
+    Relies on ``flwr.common.serde``, ``flwr.proto`` and ``flwr.supercore.inflatable``
+    (``pull_and_inflate_object_from_tree``), on ``TaskIdentity`` and on the message id
+    being the object id of its tree (Flower 1.41)."""
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf,
+        make_pull_object_fn_protobuf,
+    )
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
+    TaskIdentity.node_id = res.context.node_id
+    context, run, fab = (context_from_proto(res.context), run_from_proto(res.run),
+                         fab_from_proto(res.fab))
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("no message for this task on the Runtime API")
+    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node,
+                                                  context.run_id),
+        return_type=Message, initial_backoff=backoff_s, backoff_cap=max(backoff_s, 0.1))
+    set_message_id(message, tree.object_id)  # as flwr-clientapp does
+    return message, context, run, fab
+
+
+def client_app_error_code(exc: BaseException) -> int:
+    """The error code ``flwr-clientapp`` replies with when running the app raised ``exc``.
+    Relies on ``flwr.clientapp.client_app.LoadClientAppError`` (Flower 1.41)."""
+    from flwr.clientapp.client_app import LoadClientAppError
+
+    return (ErrorCode.LOAD_CLIENT_APP_EXCEPTION if isinstance(exc, LoadClientAppError)
+            else ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+
+
+def push_reply(client: Any, reply: Message, context: Context) -> None:
+    """Send the ClientApp's reply and context back to the SuperNode. Relies on
+    ``flwr.supernode.runtime.run_clientapp.push_message`` (Flower 1.41)."""
+    from flwr.supernode.runtime.run_clientapp import push_message
+
+    push_message(client, reply, context)
+
+
+def push_task_output(client: Any, context: Context | None, sub_status: str,
+                     details: str) -> None:
+    """Report the task's end (a ``SubStatus``). Relies on
+    ``flwr.supernode.runtime.run_clientapp.push_task_output`` (Flower 1.41)."""
+    from flwr.supernode.runtime.run_clientapp import push_task_output as push
+
+    push(client=client, context=context, sub_status=sub_status, details=details)
+
+
+def load_client_app(run: Any, fab: Any) -> tuple[Callable[..., Any], Path]:
+    """The run's ClientApp and its project folder, installing the FAB when that folder has
+    no ``pyproject.toml``. Relies on ``flwr.common.config.get_project_dir``,
+    ``flwr.cli.install.install_from_fab`` and ``flwr.clientapp.utils.get_load_client_app_fn``
+    (Flower 1.41)."""
+    from flwr.cli.install import install_from_fab
+    from flwr.clientapp.utils import get_load_client_app_fn
+    from flwr.common.config import get_project_dir
+
+    app_dir = Path(get_project_dir(run.fab_id, run.fab_version, fab.hash_str))
+    if not (app_dir / "pyproject.toml").is_file():  # the path is unique to this FAB
+        install_from_fab(fab.content, skip_prompt=True)
+    loader = get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+    return loader(run.fab_id, run.fab_version, fab.hash_str), app_dir
+
+
+def start_parent_process_monitor(parent_pid: int) -> None:
+    """SIGINT this process once ``parent_pid`` is gone. Relies on
+    ``flwr.supercore.app_utils.start_parent_process_monitor`` (Flower 1.41)."""
+    from flwr.supercore.app_utils import start_parent_process_monitor as start
+
+    start(parent_pid)
+
+
+# The SuperNode's loop ---------------------------------------------------------------
+
+FLOWER_IDLE_SLEEP_S = 3.0  # start_client_internal's sleep after a pull that found nothing
+FLOWER_REPLY_SLEEP_S = 0.5  # its steps while waiting for the ClientApp's reply
+
+
+def shorten_supernode_waits(sleep: Callable[[float], None], initial_backoff: float,
+                            backoff_cap: float) -> None:
+    """Make the SuperNode loop sleep with ``sleep`` and retry a message object not yet on
+    the SuperLink after ``initial_backoff`` (doubling up to ``backoff_cap``).
+
+    Relies on ``flwr.supernode.start_client_internal`` using the module-level ``time``
+    (``time.sleep(3)`` and ``time.sleep(0.5)``) and ``pull_objects`` (Flower 1.41)."""
+    import functools
+    import time
+    import types
+
+    from flwr.supernode import start_client_internal as loop
+
+    if getattr(loop, "time", None) is not time:
+        raise RuntimeError("flwr.supernode.start_client_internal no longer uses the time "
+                           "module; this wrapper does not support this Flower version")
+    shim = types.ModuleType("time")
+    shim.__dict__.update(time.__dict__)
+    shim.sleep = sleep  # type: ignore[attr-defined]
+    loop.time = shim  # type: ignore[attr-defined]
+    loop.pull_objects = functools.partial(  # type: ignore[attr-defined]
+        loop.pull_objects, initial_backoff=initial_backoff, backoff_cap=backoff_cap)
+
+
+def run_flower_supernode(argv: list[str], *, colored: bool) -> None:
+    """Run the ``flower-supernode`` command with ``argv``, logging with timestamps. Relies
+    on ``flwr.supernode.cli.flower_supernode`` and ``flwr.supercore.logger`` (Flower 1.41)."""
+    import sys
+
+    from flwr.supercore.logger import update_console_handler
+    from flwr.supernode.cli.flower_supernode import flower_supernode
+
+    update_console_handler(timestamps=True, colored=colored)
+    sys.argv = ["flower-supernode", *argv]
+    flower_supernode()
+
+
+# The simulation engine --------------------------------------------------------------
+
+def run_simulation(server_app: Any, client_app: Any, *, num_supernodes: int,
+                   backend_name: str, backend_config: dict[str, Any]) -> None:
+    """Run the apps on Flower's Simulation Runtime, as ``flwr-simulation`` does (the public
+    ``flwr.simulation.run_simulation`` only adds a deprecation warning in front). Relies on
+    ``flwr.simulation.run_simulation._run_simulation`` and
+    ``flwr.supercore.telemetry.EventType`` (Flower 1.41)."""
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
+
+    _run_simulation(num_supernodes=num_supernodes, server_app=server_app,
+                    client_app=client_app, backend_name=backend_name,
+                    backend_config=backend_config,
+                    exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE)
+
+
+# Flower's own configuration (``flwr`` CLI) --------------------------------------------
+
+def flwr_home() -> Path:
+    """Flower's home folder (``$FLWR_HOME`` or the default). Relies on
+    ``flwr.supercore.utils.get_flwr_home`` (Flower 1.41)."""
+    from flwr.supercore.utils import get_flwr_home
+
+    return Path(get_flwr_home())
+
+
+def read_flower_config() -> dict[str, Any]:
+    """Flower's ``config.toml`` as a dict. Relies on ``flwr.cli.flower_config`` (1.41)."""
+    from flwr.cli.flower_config import read_flower_config as read
+
+    config, _ = read()
+    return config
+
+
+def write_flower_config(config: dict[str, Any]) -> None:
+    """Write Flower's ``config.toml``. Relies on ``flwr.cli.flower_config`` (Flower 1.41)."""
+    from flwr.cli.flower_config import write_flower_config as write
+
+    write(config)
+
+
+def write_superlink_connection(name: str, address: str, *,
+                               root_certificates: str | None) -> None:
+    """Add ``[superlink.<name>]`` to Flower's config (insecure without certificates).
+    Relies on ``flwr.cli.flower_config.write_superlink_connection`` and
+    ``flwr.cli.typing.SuperLinkConnection`` (Flower 1.41)."""
+    from flwr.cli.flower_config import write_superlink_connection as write
+    from flwr.cli.typing import SuperLinkConnection
+
+    if root_certificates is None:
+        conn = SuperLinkConnection(name=name, address=address, insecure=True)
+    else:
+        conn = SuperLinkConnection(name=name, address=address,
+                                   root_certificates=root_certificates)
+    write(conn)
+
+
+def register_node(federation: str, public_key_pem: bytes) -> int:
+    """What ``flwr supernode register`` does: the new node id (0 if none was given).
+    Relies on ``flwr.cli.flower_config.read_superlink_connection``,
+    ``flwr.cli.utils.init_http_client_from_connection`` and
+    ``flwr.proto.control_pb2.RegisterNodeRequest`` (Flower 1.41)."""
+    from flwr.cli.flower_config import read_superlink_connection
+    from flwr.cli.utils import init_http_client_from_connection
+    from flwr.proto.control_pb2 import RegisterNodeRequest
+
+    client = init_http_client_from_connection(read_superlink_connection(federation))
+    try:
+        res = client.RegisterNode(RegisterNodeRequest(public_key=public_key_pem))
+    finally:
+        client.close()
+    return int(res.node_id)
