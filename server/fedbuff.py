@@ -28,7 +28,9 @@ Both run on any Grid and on either clock (see ``server.clock``); the tasks in fl
 events are processed in time order, ties by node id, and new tasks are handed out once
 every event of that instant is processed. Every applied aggregate is one store round
 (round r holds model version r when each aggregate succeeds), with the fate of every
-update processed since the previous one.
+update processed since the previous one; the replies pulled but not processed when the
+run ends come back as one aborted round (:meth:`FedBuffRounds.leftover`). The buffer,
+plain or secure, is a ``server.reply_buffer.ReplyBuffer``.
 """
 
 from __future__ import annotations
@@ -40,66 +42,21 @@ from typing import Any
 import numpy as np
 from flwr.app import Message, RecordDict
 
-from aggregation import Pipeline, Update, Verdict, WeightedMean
+from aggregation import Update
 from client.protocol.errors import WireError
 from client.protocol.secagg import SecAggAction
 from server.compression import ReplyCompression
-from server.inflight import Event, InFlight
+from server.inflight import Event, InFlight, Task
 from server.replies import decode_train_reply
-from server.rounds import RoundResult, RoundSource, RunContext, mean_loss, update_record
+from server.reply_buffer import PlainBuffer, ReplyBuffer
+from server.rounds import RoundResult, RoundSource, RunContext
 from server.secure_buffer import SecureBuffer
-from server.secure_round import SecureSettings, secure_result
+from server.secure_round import SecureSettings
 from server.settle import mismatch, unreachable
-from server.spread import PREFIX as FEDERATED
 from server.store import UpdateRecord
+from server.wire_bytes import ByteCountingGrid
 
-
-class Buffer:
-    """Updates in, one aggregate out: the plain buffer sums them in the clear.
-
-    Its secure counterpart is ``server.secure_buffer.SecureBuffer``, with the same
-    ``full``, ``members``, ``total_weight`` and ``count``.
-    """
-
-    def __init__(self, pipeline: Pipeline, *, dim: int, version: int, size: int,
-                 by_examples: bool, rescale: bool = True) -> None:
-        self.agg = pipeline.open_round(dim=dim, version=version)
-        self.size = size
-        self.rescale = rescale
-        self.version = version
-        self.members: set[str] = set()
-        self.base_total = 0.0  # sum of weights before staleness scaling
-        self._by_examples = by_examples
-
-    @property
-    def full(self) -> bool:
-        return self.agg.num_accepted >= self.size
-
-    @property
-    def total_weight(self) -> float:
-        return self.agg.total_weight
-
-    @property
-    def count(self) -> int:
-        return self.agg.num_accepted
-
-    def submit(self, update: Update) -> Verdict:
-        verdict = self.agg.submit(update)
-        if verdict.accepted:
-            self.members.add(update.client_id)
-            self.base_total += float(update.num_examples) if self._by_examples else 1.0
-        return verdict
-
-    def reject(self, client_id: str, reason: str) -> Verdict:
-        return self.agg.reject(client_id, reason)
-
-    def finish(self) -> np.ndarray | None:
-        """The combined delta; a weighted mean is rescaled to sum(b s delta) / sum(b)."""
-        delta = self.agg.finish()
-        if (self.rescale and delta is not None and type(self.agg.combine) is WeightedMean
-                and self.base_total > 0 and self.agg.total_weight != self.base_total):
-            delta *= np.float32(self.agg.total_weight / self.base_total)
-        return delta
+NO_TRAFFIC = {"bytes_up": 0.0, "bytes_down": 0.0}
 
 
 class FedBuffRounds(RoundSource):
@@ -127,12 +84,11 @@ class FedBuffRounds(RoundSource):
         self._ready: deque[Event] = deque()
         self._rng = np.random.default_rng([ctx.seed, 0xA5])
         self._bases: dict[int, np.ndarray] = {}  # model versions that tasks started from
-        self._buffer: Buffer | SecureBuffer | None = None
+        self._buffer: ReplyBuffer | None = None
         self._records: list[UpdateRecord] = []
-        self._losses: list[tuple[float, float]] = []
-        self._staleness: list[int] = []
         self._run_id = ""  # the run being driven (names the compression of its tasks)
         self._bytes_up = 0  # payload of the replies processed since the last aggregate
+        self._traffic_due = dict(NO_TRAFFIC)  # the bytes of the round last returned
 
     # ---- handing out tasks
 
@@ -201,66 +157,42 @@ class FedBuffRounds(RoundSource):
                                               base_version=task.base_version,
                                               staleness=ctx.state.version - task.base_version))
             return
-        if isinstance(buffer, SecureBuffer):
-            self._offer(buffer, ev, rnd)
-            return
-        try:
-            sender = ev.reply.metadata.src_node_id
-            if sender != task.node:
-                raise WireError(mismatch(task.node, sender))
-            codec = None if self.compression is None else self.compression.codec(
-                self._run_id, task.base_version + 1, ctx.layout.dim)  # its "server-round"
-            update = decode_train_reply(ev.reply, client_id=client_id, layout=ctx.layout,
-                                        base_params=self._bases[task.base_version],
-                                        version=task.base_version, codec=codec)
-        except WireError as exc:
-            self._records.append(update_record(buffer.reject(client_id, str(exc))))
-            ctx.reporter.message(f"version {ctx.state.version}: rejected client "
-                                 f"{client_id}: {exc}")
-            return
-        verdict = buffer.submit(update)
-        if verdict.accepted:
-            self._staleness.append(int(verdict.staleness or 0))
-            if "train_loss" in update.metrics:
-                self._losses.append((update.metrics["train_loss"], float(update.num_examples)))
-            ctx.reporter.client_done(rnd, buffer.agg.num_accepted, self.size)
+        record = buffer.admit(task, ev.reply)
+        if record is None or record.fate == "accepted":
+            ctx.reporter.client_done(rnd, buffer.filled, self.size)
         else:
             ctx.reporter.message(f"version {ctx.state.version}: rejected client {client_id}: "
-                                 f"{verdict.reason}")
-        self._records.append(update_record(verdict, update.metrics))
+                                 f"{record.reason}")
+        if record is not None:
+            self._records.append(record)
 
-    def _offer(self, buffer: SecureBuffer, ev: Event, rnd: int) -> None:
-        """Secure FedBuff: a ready client joins the buffer; its update stays with it."""
-        task, version = ev.task, self.ctx.state.version
-        assert ev.reply is not None
-        record = buffer.offer(task.node, task.base_version, ev.reply)
-        if record is None:
-            self._staleness.append(version - task.base_version)
-            self.ctx.reporter.client_done(rnd, len(buffer.ready), self.size)
-            return
-        self._records.append(record)
-        self.ctx.reporter.message(f"version {version}: rejected client {task.node}: "
-                                  f"{record.reason}")
+    def _decode(self, task: Task, reply: Message) -> Update:
+        """A plain reply's update, decoded against the model its task started from, with
+        the codec of the task's own round (raises ``WireError`` on a bad reply)."""
+        sender = reply.metadata.src_node_id
+        if sender != task.node:
+            raise WireError(mismatch(task.node, sender))
+        codec = None if self.compression is None else self.compression.codec(
+            self._run_id, task.base_version + 1, self.ctx.layout.dim)  # its "server-round"
+        return decode_train_reply(reply, client_id=str(task.node), layout=self.ctx.layout,
+                                  base_params=self._bases[task.base_version],
+                                  version=task.base_version, codec=codec)
 
-    def _open_buffer(self) -> Buffer | SecureBuffer:
+    def _open_buffer(self) -> ReplyBuffer:
         ctx = self.ctx
-        version = ctx.state.version
         if self.secure is not None:
-            return SecureBuffer(self.secure, version=version, size=self.size,
-                                staleness=self.staleness_fn, max_staleness=self.max_staleness)
-        return Buffer(ctx.pipeline, dim=ctx.layout.dim, version=version, size=self.size,
-                      by_examples=self.by_examples, rescale=not self.mixing)
+            return SecureBuffer(ctx, self.secure, size=self.size, staleness=self.staleness_fn,
+                                max_staleness=self.max_staleness)
+        return PlainBuffer(ctx.pipeline, self._decode, dim=ctx.layout.dim,
+                           version=ctx.state.version, size=self.size,
+                           by_examples=self.by_examples, rescale=not self.mixing)
 
-    def _step(self, buffer: Buffer) -> np.ndarray | None:
-        """The step to apply: the buffer's aggregate, or FedAsync's mixing step."""
-        delta = buffer.finish()
-        if delta is None or not self.mixing:
-            return delta
-        verdict = next(v for v in buffer.agg.verdicts if v.accepted)
-        tau = int(verdict.staleness or 0)
+    def _mix(self, delta: np.ndarray, accepted: UpdateRecord) -> np.ndarray:
+        """FedAsync's step for the one ``accepted`` update with combined ``delta``."""
+        tau = int(accepted.staleness or 0)
         mix = self.ctx.driver_config.alpha * self.staleness_fn(tau)
         # (1 - a) w + a (w_base + delta)  ==  w + a (w_base - w + delta)
-        step = self._bases[int(verdict.base_version or 0)] - self.ctx.state.params
+        step = self._bases[int(accepted.base_version or 0)] - self.ctx.state.params
         step += delta
         step *= np.float32(mix)
         return step
@@ -288,40 +220,27 @@ class FedBuffRounds(RoundSource):
                 self._ready.extend(events)
             self._process(self._ready.popleft(), rnd)
         self._buffer = None
-        if isinstance(buffer, SecureBuffer):
-            result = self._secure_result(buffer, run_id, rnd)
-        else:
-            note = None
-            try:
-                step = self._step(buffer)
-            except ValueError as exc:  # e.g. a robust combine refusing the buffer
-                step, note = None, f"aggregation failed: {exc}"
-            result = RoundResult(aggregate=step, status="completed" if step is not None
-                                 else "failed", records=self._records, num_sampled=0,
-                                 num_replies=0, total_weight=buffer.total_weight,
-                                 count=buffer.count, note=note)
+        before = ctx.grid.up
+        result = buffer.close(run_id, rnd)
+        self._bytes_up += ctx.grid.up - before  # a secure buffer's stages' replies
+        self._records += result.records
+        if self.mixing and result.aggregate is not None:
+            accepted = next(r for r in self._records if r.fate == "accepted")
+            result.aggregate = self._mix(result.aggregate, accepted)
         self._prune_bases()
         result.records = self._records
         result.num_sampled = len(self._records)
         result.num_replies = len(self._records) - result.counts()["dropped"]
-        if self._staleness:
-            result.metrics["staleness_mean"] = float(np.mean(self._staleness))
-        result.metrics.update(self._traffic())
-        result.metrics.update(mean_loss(self._losses))
-        self._records, self._losses, self._staleness = [], [], []
+        result.metrics.update(buffer.figures())
+        self._traffic_due = self._traffic()
+        self._records = []
         return result
 
-    def _secure_result(self, buffer: SecureBuffer, run_id: str, rnd: int) -> RoundResult:
-        """Secure FedBuff: the buffer's secure sum as FedBuff's aggregate."""
-        assert self.secure is not None
-        ctx = self.ctx
-        before = ctx.grid.up
-        outcome = buffer.finish(ctx.grid, dim=ctx.layout.dim, run_id=run_id, rnd=rnd,
-                                timeout=ctx.fed.round_timeout_s, poll=ctx.fed.poll_s)
-        self._bytes_up += ctx.grid.up - before  # the secure stages' replies
-        self._records += buffer.records()
-        return secure_result(outcome, self.secure.aggregate(outcome, None, reporter=ctx.reporter),
-                             num_sampled=0, metrics={}, what="secure aggregation of the buffer")
+    def traffic(self, grid: ByteCountingGrid) -> dict[str, float]:
+        """The bytes of the round last returned (each reply counted in the round that
+        processes it, so not always when the grid pulled it) and of what ran since."""
+        due, self._traffic_due = self._traffic_due, dict(NO_TRAFFIC)
+        return {key: due[key] + value for key, value in grid.since_last().items()}
 
     def _traffic(self) -> dict[str, float]:
         """Bytes of this aggregate: the replies it processed (each counted in the round
@@ -336,32 +255,23 @@ class FedBuffRounds(RoundSource):
         for version in [v for v in self._bases if v not in keep]:
             del self._bases[version]
 
+    def leftover(self) -> RoundResult | None:
+        """The replies pulled after the last applied aggregate and never processed, as an
+        aborted round of dropped updates (every processed reply is in an applied round)."""
+        version = self.ctx.state.version
+        records = [UpdateRecord(client_id=str(ev.task.node), fate="dropped",
+                                reason="the run ended before it was processed",
+                                base_version=ev.task.base_version,
+                                staleness=version - ev.task.base_version)
+                   for ev in self._ready]
+        if not records:
+            return None
+        replies = sum(ev.reply is not None for ev in self._ready)
+        self._bytes_up += sum(ev.nbytes for ev in self._ready)
+        self._ready = deque()
+        self._traffic_due = self._traffic()
+        return RoundResult(aggregate=None, status="aborted", records=records,
+                           num_sampled=len(records), num_replies=replies)
+
     def finish(self, run_id: str, summary: dict[str, Any]) -> None:
-        """Record what arrived after the last applied aggregate as an aborted round."""
-        ctx = self.ctx
-        version = ctx.state.version
-        replies = (sum(r.fate != "dropped" for r in self._records)
-                   + sum(ev.reply is not None for ev in self._ready))
-        records = [r if r.fate != "accepted" else UpdateRecord(
-            client_id=r.client_id, fate="dropped", reason="the run ended before its buffer "
-            "was applied", num_examples=r.num_examples, base_version=r.base_version,
-            staleness=r.staleness, norm=r.norm, weight=r.weight, metrics=r.metrics)
-            for r in self._records]
-        records += [UpdateRecord(client_id=str(ev.task.node), fate="dropped",
-                                 reason="the run ended before it was processed",
-                                 base_version=ev.task.base_version,
-                                 staleness=version - ev.task.base_version)
-                    for ev in self._ready]
-        if records:
-            last = ctx.state.history[-1] if ctx.state.history else {}
-            # the model's central figures; no client evaluated in this round
-            last = {k: v for k, v in last.items() if not k.startswith(f"{FEDERATED}_")}
-            self._bytes_up += sum(ev.nbytes for ev in self._ready)
-            ctx.store.record_round(run_id, round=ctx.state.round + 1, model_version=version,
-                                   status="aborted", num_sampled=len(records),
-                                   num_replies=replies,
-                                   num_rejected=sum(r.fate == "rejected" for r in records),
-                                   num_dropped=sum(r.fate == "dropped" for r in records),
-                                   metrics={**last, **self._traffic()}, updates=records)
-        self._records, self._ready = [], deque()
         summary["buffer_size"] = self.size

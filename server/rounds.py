@@ -170,8 +170,19 @@ class RoundSource:
         """Why no further round can run (None: it can)."""
         return None
 
+    def traffic(self, grid: ByteCountingGrid) -> dict[str, float]:
+        """The bytes up and down of the round last returned and of what ran after it (its
+        federated evaluation), asked once per round by the run loop: by default all that
+        ``grid`` counted since it was last asked."""
+        return grid.since_last()
+
+    def leftover(self) -> RoundResult | None:
+        """At the end of the run: what arrived after the last round, as an aborted round
+        for the run loop to record after it (None: nothing)."""
+        return None
+
     def finish(self, run_id: str, summary: dict[str, Any]) -> None:
-        """At the end of the run: record what is left and add to the summary."""
+        """At the end of the run, once the loop recorded the rounds: add to the summary."""
 
 
 def update_record(verdict: Verdict, metrics: dict[str, float] | None = None) -> UpdateRecord:

@@ -17,6 +17,7 @@ import numpy as np
 from server.federated_eval import FederatedEvaluation
 from server.rounds import RoundResult, RoundSource, RunContext
 from server.spread import ACCURACY, accuracy_key, spread
+from server.spread import PREFIX as FEDERATED
 from server.store import EvalRecord
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class RunLoop:
                 ctx.store.finish_run(run_id, status="failed")
                 raise
             summary = self._summary(run_id, time.perf_counter() - started)
+            self._record_leftover(run_id)
             self.source.finish(run_id, summary)
         ctx.store.finish_run(run_id, status=summary["status"], summary=summary)
         ctx.reporter.run_finished(summary)
@@ -134,11 +136,7 @@ class RunLoop:
         metrics.update(result.metrics)
         metrics.update(figures)
         metrics.update(ctx.dp_sgd.observe(result.records))  # the clients' DP-SGD figures
-        if "bytes_up" not in result.metrics:
-            metrics.update(ctx.grid.since_last())  # bytes_up, bytes_down
-        elif "federated_eval_s" in figures:  # the source counted its traffic before this
-            for key, value in ctx.grid.since_last().items():  # the evaluation's
-                metrics[key] = metrics.get(key, 0.0) + value
+        metrics.update(self.source.traffic(ctx.grid))  # bytes_up, bytes_down
         self._account_privacy(run_id, rnd, released=applied, metrics=metrics,
                               noise_multiplier=result.noise_multiplier)
         counts = result.counts()
@@ -148,13 +146,8 @@ class RunLoop:
             ctx.reporter.message(f"round {rnd}: {why}; the model is unchanged")
         else:
             self._failed_streak = []
-        ctx.store.record_round(run_id, round=rnd, model_version=state.version,
-                               status=result.status, num_sampled=result.num_sampled,
-                               num_replies=result.num_replies,
-                               num_accepted=counts["accepted"] if applied else 0,
-                               num_rejected=counts["rejected"], num_dropped=counts["dropped"],
-                               metrics=metrics, wall_s=time.perf_counter() - t0,
-                               updates=result.records, evaluations=evaluations)
+        self._record(run_id, rnd, result, metrics, applied=applied,
+                     wall_s=time.perf_counter() - t0, evaluations=evaluations)
         if result.secure is not None:
             ctx.store.record_secagg_round(run_id, round=rnd, **result.secure.session_record())
         state.history.append(metrics)
@@ -166,6 +159,32 @@ class RunLoop:
                          secure_aborted=float(result.secure.status == "aborted"))
         ctx.reporter.round_finished(rnd, shown)
         return metrics
+
+    def _record(self, run_id: str, rnd: int, result: RoundResult, metrics: dict[str, float],
+                *, applied: bool, wall_s: float, evaluations: list[EvalRecord]) -> None:
+        """Store round ``rnd`` and every update's fate (the only place a round is written)."""
+        counts = result.counts()
+        self.ctx.store.record_round(
+            run_id, round=rnd, model_version=self.ctx.state.version, status=result.status,
+            num_sampled=result.num_sampled, num_replies=result.num_replies,
+            num_accepted=counts["accepted"] if applied else 0,
+            num_rejected=counts["rejected"], num_dropped=counts["dropped"], metrics=metrics,
+            wall_s=wall_s, updates=result.records, evaluations=evaluations)
+
+    def _record_leftover(self, run_id: str) -> None:
+        """What the source holds when the run ends (FedBuff: what arrived after its last
+        applied buffer), stored as an aborted round after the last one. Nothing is applied
+        or evaluated: its figures are the last round's but the clients' evaluation, with
+        its own traffic; the summary and the checkpoint leave it out."""
+        result = self.source.leftover()
+        if result is None:
+            return
+        last = self.ctx.state.history[-1] if self.ctx.state.history else {}
+        metrics = {k: v for k, v in last.items() if not k.startswith(f"{FEDERATED}_")}
+        metrics.update(result.metrics)
+        metrics.update(self.source.traffic(self.ctx.grid))
+        self._record(run_id, self.ctx.state.round + 1, result, metrics, applied=False,
+                     wall_s=0.0, evaluations=[])
 
     # ---- helpers
 

@@ -29,21 +29,31 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from flwr.app import ConfigRecord, Message
-from flwr.serverapp import Grid
 
 from client.protocol.secagg import SecAggKey, SecAggRecord
-from server.secure_round import SecureRoundOutcome, SecureSettings, secure_round, session_id
+from server.inflight import Task
+from server.reply_buffer import staleness_mean
+from server.rounds import RoundResult, RunContext
+from server.secure_round import (
+    SecureRoundOutcome,
+    SecureSettings,
+    secure_result,
+    secure_round,
+    session_id,
+)
 from server.settle import mismatch
 from server.store import UpdateRecord
 
 
 class SecureBuffer:
-    """Clients holding their trained updates; one secure sum once ``size`` are ready."""
+    """Clients holding their trained updates; one secure sum once ``size`` are ready
+    (a ``server.reply_buffer.ReplyBuffer``)."""
 
-    def __init__(self, secure: SecureSettings, *, version: int, size: int,
+    def __init__(self, ctx: RunContext, secure: SecureSettings, *, size: int,
                  staleness: Callable[[int], float], max_staleness: int | None) -> None:
+        self.ctx = ctx
         self.secure = secure
-        self.version = version
+        self.version = ctx.state.version
         self.size = size
         self.staleness = staleness
         self.max_staleness = max_staleness
@@ -53,6 +63,10 @@ class SecureBuffer:
     @property
     def members(self) -> set[str]:
         return {str(node) for node in self.ready}
+
+    @property
+    def filled(self) -> int:
+        return len(self.ready)
 
     @property
     def full(self) -> bool:
@@ -73,8 +87,10 @@ class SecureBuffer:
         done = self.outcome is not None and self.outcome.status == "completed"
         return len(self.outcome.survivors) if done and self.outcome is not None else 0
 
-    def offer(self, node: int, base_version: int, reply: Message) -> UpdateRecord | None:
-        """A ready notice: None when ``node`` joins the buffer, else the record of why not."""
+    def admit(self, task: Task, reply: Message) -> UpdateRecord | None:
+        """A ready notice: None when its client joins the buffer, else the record of why
+        not."""
+        node, base_version = task.node, task.base_version
         tau = self.version - base_version
 
         def rejected(reason: str) -> UpdateRecord:
@@ -100,16 +116,29 @@ class SecureBuffer:
         return {node: float(self.staleness(self.version - base))
                 for node, base in self.ready.items()}
 
-    def finish(self, grid: Grid, *, dim: int, run_id: str, rnd: int, timeout: float,
-               poll: float) -> SecureRoundOutcome:
+    def figures(self) -> dict[str, float]:
+        """The ready clients' mean staleness (the training loss comes with the sum)."""
+        return staleness_mean([self.version - base for base in self.ready.values()])
+
+    def close(self, run_id: str, rnd: int) -> RoundResult:
+        """The buffer's secure sum as FedBuff's aggregate, with the survivors' records."""
+        outcome = self.finish(run_id, rnd)
+        records = self.records()
+        aggregate = self.secure.aggregate(outcome, None, reporter=self.ctx.reporter)
+        return secure_result(outcome, aggregate, num_sampled=0, metrics={}, records=records,
+                             what="secure aggregation of the buffer")
+
+    def finish(self, run_id: str, rnd: int) -> SecureRoundOutcome:
         """Run the buffer's secure stages (dense, or on the round's shared top-k pattern:
         the clients pick its coordinates of the delta they hold when SETUP comes)."""
+        ctx = self.ctx
+        dim = ctx.layout.dim
         self.outcome = secure_round(
-            grid, nodes=list(self.ready), arrays=None, config=None,
+            ctx.grid, nodes=list(self.ready), arrays=None, config=None,
             settings=self.secure.round_settings(None), weight_by=self.secure.weight_by,
-            dim=dim,
-            session=session_id(run_id), rnd=rnd, timeout=timeout, poll=poll,
-            held=self.factors(), sparse=self.secure.pattern(run_id, rnd, dim))
+            dim=dim, session=session_id(run_id), rnd=rnd, timeout=ctx.fed.round_timeout_s,
+            poll=ctx.fed.poll_s, held=self.factors(),
+            sparse=self.secure.pattern(run_id, rnd, dim))
         return self.outcome
 
     def records(self) -> list[UpdateRecord]:
