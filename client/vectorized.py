@@ -3,7 +3,7 @@
 The in-process Grid hands this hook every message it is about to deliver at once. Train
 messages that carry the same global model (the very record the server sent to all) for
 the same task form a cohort, trained before any reply is made: with ``engine.vectorize``
-as one batched computation (``client.cohort``), else back to back, one client after the
+as one batched computation (``client.batched_training``), else back to back, one client after the
 other, exactly as the ClientApp would train each (the same code, seeds and start, so the
 same result to the bit). Back to back, training is not interleaved with message
 handling, which leaves torch's working set in the caches: measured here, a 10k-parameter
@@ -11,7 +11,7 @@ client's training took 0.32 ms between messages and 0.20 ms back to back. Each r
 waits on its worker under the message's id, and the ClientApp, when it handles that
 message, takes it instead of training again. Everything after training (local DP,
 simulated attacks, compression, secure masking, the reply) runs per client as before.
-Back to back takes the cohorts vectorizing could take (``client.cohort.unsupported``).
+Back to back takes the cohorts vectorizing could take (``client.batched_training.unsupported``).
 A cohort that can be neither is left to the ClientApp; one that cannot be vectorized
 when asked to be says why in one log line per reason. Models of ``IN_PLACE_MIN_DIM``
 parameters or more train one by one when not vectorized: their training dwarfs the
@@ -35,7 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 
 from client import app
 from client.app import _WORKERS, FedringClient, record_of, training_seed
-from client.cohort import CohortClient, stack_data, train_cohort, unsupported
+from client.batched_training import CohortClient, stack_data, train_cohort, unsupported
 from client.protocol.errors import WireError
 from client.protocol.keys import ConfigKey, NodeConfigKey, RecordName
 

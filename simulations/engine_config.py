@@ -8,7 +8,7 @@ others); empty starts a Ray instance for the run on this machine, or joins the o
 ``RAY_ADDRESS`` names.
 
 The in-process engine: ``vectorize`` trains a round's clients as one batched computation
-(``client.cohort``) when they share the model and optimizer: ``false`` (the default: one
+(``client.batched_training``) when they share the model and optimizer: ``false`` (the default: one
 client after the other, small models back to back, ``client.vectorized``), ``"auto"``
 (cohorts of two or more clients that can be vectorized and whose stacked parameters fit
 one batch, ``client.vectorized.STACK_BUDGET``; the others as with ``false``, with one log

@@ -1,4 +1,4 @@
-"""The in-process engine's cohorts (client.cohort, client.vectorized): one batched
+"""The in-process engine's cohorts (client.batched_training, client.vectorized): one batched
 computation gives what training the clients one after the other gives, and what cannot be
 batched falls back with a log line; trained back to back, a cohort gives exactly what the
 ClientApp gives training each client as its message comes."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from flwr.app import Message, RecordDict
 
-from client.cohort import CohortClient, batch_plan, train_cohort
+from client.batched_training import CohortClient, batch_plan, train_cohort
 from client.flat_model import FlatModel
 from client.protocol.train import train_config
 from client.protocol.updates import model_record

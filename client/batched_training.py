@@ -1,4 +1,4 @@
-"""Vectorized cohorts: train many clients' copies of one model as one batched computation.
+"""Batched training of a cohort: train many clients' copies of one model as one computation.
 
 ``train_cohort`` runs what ``client.training.train`` runs for each client (the same seeded
 batch order, cross-entropy, SGD with momentum and weight decay, or Adam, as torch's
