@@ -23,11 +23,11 @@ from server.dp import dp_controller
 from server.fedbuff import FedBuffRounds
 from server.reporter import LogReporter, Reporter, Reporters
 from server.rounds import RoundSource, RunContext, wait_for_nodes
-from server.rules import check_rules
 from server.run_loop import RunLoop
 from server.scenario import ServerScenario
 from server.secagg_config import exposure_warning
 from server.secure_round import SecureSettings, SecureSum, make_secure_settings
+from server.settings_checks import check_settings
 from server.store import Store, absolute_url, mask_url
 from server.sync_rounds import PlainReplies, SyncRounds
 from server.task import ServerTask
@@ -58,7 +58,7 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
     rewrite each sync round's updates before they are aggregated
     (``aggregation.pipeline.Pipeline``; the simulations' omniscient attackers).
     """
-    check_rules(config)  # a configuration made by hand is refused before any round too
+    check_settings(config)  # a configuration made by hand is refused before any round too
     scenario = ServerScenario.of(config)  # the typed sections, parsed once
     dp = dp_controller(scenario.dp, scenario.federation) if scenario.dp.enabled else None
     audit = make_audit(scenario, dp)  # None without [audit]: no canary enters the run

@@ -210,7 +210,7 @@ class CanaryAudit(PostStage):
 
 def make_audit(scenario: ServerScenario, dp: DPController | None) -> CanaryAudit | None:
     """The run's canary stage, or None without ``[audit]`` (or with ``canaries = 0``); the
-    combinations canaries cannot take part in are refused by ``server.rules``."""
+    combinations canaries cannot take part in are refused by ``server.settings_checks``."""
     if not scenario.audit.enabled:
         return None
     return CanaryAudit(scenario.audit, rate=sampling_rate(scenario.federation),

@@ -2,7 +2,7 @@
 
 Cross-silo rounds run with ``[driver] kind = "cross_silo"`` (a ring sum) or ``"gossip"``
 (each silo averages its own model with its neighbours', ``[gossip]``);
-``server.rules.check_cross_silo`` and ``check_gossip`` refuse the combinations they
+``server.settings_checks.check_cross_silo`` and ``check_gossip`` refuse the combinations they
 cannot honour, at start, naming the key to change. With
 ``[secagg] enabled`` the ring sums masked vectors (``server.cross_silo_secure``); the
 ``[secagg]`` and ``[dp]`` checks then apply as for sync secure rounds.

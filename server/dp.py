@@ -64,7 +64,7 @@ the cohort's actual size (:meth:`DPController.note_cohort`: a ``min_clients`` fl
 replace-one, so its epsilon and the add/remove ones differ by the relation too (see
 ``privacy.dp.accountant``); each figure names its relation. Poisson is charged
 ``federation.sample_fraction``. What the per-round figures cannot model is refused: at
-start (``server.rules.check_dp_sampling``) ``driver.late_policy = 'carry'``,
+start (``server.settings_checks.check_dp_sampling``) ``driver.late_policy = 'carry'``,
 ``clients.offline_fraction > 0`` and a concurrency cap on Poisson cohorts; at run time
 the sync driver stops if a client is left out of the eligible nodes (busy with a late
 task), since who can be sampled would then depend on earlier, secret cohorts.

@@ -465,8 +465,8 @@ def secure_result(outcome: SecureRoundOutcome, aggregate: np.ndarray | None, *,
 
 
 def make_secure_settings(scenario: ServerScenario) -> SecureSettings | None:
-    """The secure aggregation of a resolved scenario (checked by ``server.rules``), or None
-    when secagg is off."""
+    """The secure aggregation of a resolved scenario (checked by
+    ``server.settings_checks``), or None when secagg is off."""
     from server.secagg_config import max_round_size
 
     if not scenario.secagg.enabled:

@@ -23,7 +23,7 @@ from server.audit import CanaryAudit, sampling_rate
 from server.config import AggregationConfig, AuditConfig, FederationConfig
 from server.dp import DPController
 from server.rounds import RoundResult, update_record
-from server.rules import check_audit
+from server.settings_checks import check_audit
 from server.store.records import UpdateRecord
 from simulations.config import load_scenario
 

@@ -1,8 +1,8 @@
-"""Cross-section rules of a scenario: combinations that cannot run fail at start.
+"""Cross-section settings checks of a scenario: combinations that cannot run fail at start.
 
 Each section's own keys are checked by its typed dataclass (``server.config``,
 ``server.driver_config``, ``server.secagg_config``, ...); what depends on several
-sections lives here, in the order :func:`check_rules` applies it, so that the first
+sections lives here, in the order :func:`check_settings` applies it, so that the first
 message names the key to change. ``simulations.config`` applies them when it resolves a
 scenario, and the ServerApp again at start, for a configuration made by hand.
 """
@@ -32,7 +32,7 @@ from server.driver_config import FEDASYNC_SECAGG, DriverConfig
 from server.secagg_config import MIN_LEVEL_BITS, SecAggScenarioConfig, max_round_size
 
 
-def check_rules(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None = None) -> None:
+def check_settings(config: dict[str, Any], raw_secagg: Mapping[str, Any] | None = None) -> None:
     """Every cross-section rule of a resolved ``config``, in order (ValueError naming the
     key); ``raw_secagg``: the ``[secagg]`` keys the user wrote, to resolve secure QSGD's
     modulus in ``config`` (None: already resolved)."""
