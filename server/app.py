@@ -86,10 +86,10 @@ def round_source(ctx: RunContext, *, secure: SecureSettings | None) -> RoundSour
     compression = ReplyCompression.of(scenario.compression, secure=secure is not None)
     if kind == "gossip":  # each silo averages its own model with its neighbours'
         from server.cross_silo import CrossSiloRounds
-        from server.gossip import GossipRing
+        from server.gossip import GossipCollector
 
         return CrossSiloRounds(ctx, silo=scenario.silo, aggregation=scenario.aggregation,
-                               ring=GossipRing(scenario.gossip))
+                               ring=GossipCollector(scenario.gossip))
     if kind == "cross_silo":  # the silos aggregate among themselves over a ring
         from server.cross_silo import CrossSiloRounds
         from server.cross_silo_secure import SecureRing

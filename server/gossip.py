@@ -2,7 +2,7 @@
 with their neighbours'; the server only admits silos, hands out the topology and records.
 
 ``[driver] kind = "gossip"`` runs on the cross-silo machinery (``server.cross_silo``):
-:class:`GossipRing` is the collector a :class:`~server.cross_silo.CrossSiloRounds` runs
+:class:`GossipCollector` is the collector a :class:`~server.cross_silo.CrossSiloRounds` runs
 each round with the silos it picked (connected, not excluded). It
 
 1. draws the round's topology over their ranks (``[gossip] topology``, seeded by the run
@@ -43,8 +43,10 @@ from server.rounds import RoundResult, mean_loss
 from server.store import EvalRecord, UpdateRecord
 
 
-class GossipRing:
-    """The collector of gossip rounds (see the module docstring)."""
+class GossipCollector:
+    """The collector of gossip rounds: each silo mixes its model with its neighbours' in
+    the round's topology (a ring or a random graph, ``[gossip] topology``), not a ring
+    sum (see the module docstring)."""
 
     central_model = False  # the run loop applies and evaluates nothing
 

@@ -29,7 +29,7 @@ from client.protocol.npy import npy_view
 from client.protocol.ring import RingRecord, RingSpec
 from client.silo.gossip import GOSSIP_STATE, mix
 from client.training import evaluate, train
-from server.gossip import GossipRing
+from server.gossip import GossipCollector
 from simulations.apps import spec_from_run_config
 from simulations.config import load_scenario
 from simulations.partitioners import client_test_split
@@ -175,7 +175,7 @@ def trained_alone(config: dict[str, Any], start: np.ndarray, pid: int, rnd: int)
 def test_a_gossip_round_mixes_the_silos_trained_models_and_stores_their_figures(
         run_inprocess, store, monkeypatch, irregular: bool) -> None:
     if irregular:  # the server hands out IRREGULAR: a silo's weights differ by neighbour
-        monkeypatch.setattr(GossipRing, "mixing", lambda self, seed, rnd, n: (
+        monkeypatch.setattr(GossipCollector, "mixing", lambda self, seed, rnd, n: (
             [sorted(a) for a in IRREGULAR], metropolis_hastings(IRREGULAR)))
     config = gossip_scenario(rounds=1)
     rec = Recorder()
