@@ -57,7 +57,7 @@ from client.protocol.updates import read_delta
 from server.cohort import draw_cohort
 from server.config import AggregationConfig
 from server.cross_silo_config import SiloConfig
-from server.exchange import collect, push
+from server.grid_io import collect, push
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss
 from server.settle import unreachable
 from server.store import UpdateRecord

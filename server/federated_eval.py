@@ -21,7 +21,7 @@ from client.protocol.errors import WireError
 from client.protocol.evaluation import evaluate_config, read_evaluation
 from client.protocol.keys import RecordName
 from server.cohort import evaluation_cohort
-from server.exchange import push_and_collect_in_order
+from server.grid_io import push_and_collect_in_order
 from server.rounds import RunContext
 from server.settle import settle, unreachable
 from server.spread import spread

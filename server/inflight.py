@@ -11,7 +11,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 
 from server.clock import Clock
-from server.exchange import collect
+from server.grid_io import collect
 from server.wire_bytes import payload_bytes
 
 

@@ -78,7 +78,7 @@ from privacy.secagg.quantize import (
     max_level,
 )
 from server.compression import RoundPattern, SharedPattern
-from server.exchange import collect, push
+from server.grid_io import collect, push
 from server.rounds import RoundResult, RunContext
 from server.secagg_config import SecAggScenarioConfig
 from server.secure_outcome import SecureRoundOutcome

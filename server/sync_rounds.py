@@ -19,7 +19,7 @@ from flwr.app import Message, RecordDict
 from client.protocol.errors import WireError
 from server.cohort import draw_cohort
 from server.compression import ReplyCompression
-from server.exchange import push_and_collect_in_order
+from server.grid_io import push_and_collect_in_order
 from server.replies import decode_train_reply
 from server.rounds import RoundResult, RoundSource, RunContext, mean_loss, update_record
 from server.settle import settle, unreachable

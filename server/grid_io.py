@@ -1,4 +1,4 @@
-"""Push messages to a Grid and pull their replies until all came, time is up or the caller stops.
+"""Grid I/O: push messages, pull their replies until all came, time is up or the caller stops.
 
 Every round driver talks to Flower's Grid the same way: push the messages, then pull the
 replies of the messages still pending, in push order, handing each over as it is pulled,

@@ -1,4 +1,4 @@
-"""server.exchange: push, then pull the replies of the pending messages until done.
+"""server.grid_io: push, then pull the replies of the pending messages until done.
 
 The Grid is the in-process engine (real messages, a ClientApp run as its reply is
 pulled) with a script of which pull first returns each node's reply, and of replies
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 from flwr.app import Message, RecordDict
 
-import server.exchange
-from server.exchange import collect, push
+import server.grid_io
+from server.grid_io import collect, push
 from simulations.inprocess import InProcessGrid
 
 NEVER = 0  # a node whose reply never comes
@@ -65,7 +65,7 @@ def clock(monkeypatch):
         fake.sleeps.append(seconds)
         fake.now += seconds
 
-    monkeypatch.setattr(server.exchange, "time",
+    monkeypatch.setattr(server.grid_io, "time",
                         SimpleNamespace(monotonic=lambda: fake.now, sleep=sleep))
     return fake
 
