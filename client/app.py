@@ -29,7 +29,6 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
-from flwr.clientapp.typing import ClientAppCallable
 
 from aggregation.centered import clip_around
 from client import local_state
@@ -39,6 +38,7 @@ from client.flat_model import FlatModel
 from client.momentum import momentum_update
 from client.protocol.errors import WireError
 from client.protocol.evaluation import ClientEvaluation, evaluation_metrics
+from client.protocol.flower_compat import ClientAppCallable
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
 from client.protocol.records import metric_record, record_dict

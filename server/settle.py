@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import TypeVar
 
 from flwr.app import Message
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+
+from client.protocol.flower_compat import SUPERLINK_NODE_ID, ErrorCode
 
 T = TypeVar("T")
 

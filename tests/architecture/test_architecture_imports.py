@@ -210,11 +210,7 @@ FLOWER_PRIVATE_STRINGS = ("_data", "_message_id", "_run_id", "_src_node_id",
                           "_reply_to_message_id", "_is_dirty")
 # Files that still import a Flower internal the compat module already offers: the list
 # may only shrink (a test fails when an entry is no longer needed).
-FLOWER_PENDING = {
-    "server/settle.py": ["Flower internal module flwr.common.constant (SUPERLINK_NODE_ID, "
-                         "ErrorCode)"],
-    "client/app.py": ["Flower internal module flwr.clientapp.typing (ClientAppCallable)"],
-}
+FLOWER_PENDING: dict[str, list[str]] = {}
 
 
 def _flower_common_names() -> set[str]:
