@@ -46,7 +46,9 @@ def compression_config(config: Mapping[str, Any]) -> CompressionConfig:
 
 
 def session_number(run_id: str) -> int:
-    """A 63-bit number naming a store run (seeds the shared pattern, binds residuals)."""
+    """A 63-bit number naming a store run for compression (seeds the shared pattern,
+    binds residuals). Not the SecAgg+ protocol run id (``server.secure_round.session_id``):
+    it hashes the run id under its own label, so the two differ for every run."""
     return int.from_bytes(hashlib.sha256(f"compression:{run_id}".encode()).digest()[:8],
                           "little") >> 1
 

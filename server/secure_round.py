@@ -100,7 +100,9 @@ def stage_name(stage: Stage) -> str:
 
 
 def session_id(run_id: str) -> int:
-    """The 63-bit protocol run id of a store run id (bound into every protocol message)."""
+    """The 63-bit SecAgg+ protocol run id of a store run id (bound into every protocol
+    message of its training sessions). Not ``server.compression.session_number``: that
+    number hashes the run id under its own label, so the two differ for every run."""
     return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:8], "little") >> 1
 
 
