@@ -27,6 +27,9 @@ class Combine:
     """Base class. ``linear`` combines can run under secure aggregation and over a ring."""
 
     linear: bool = False
+    #: Whether the result is sum(w d) / sum(w): a caller that knows a different total
+    #: weight may rescale it (FedBuff's buffers, whose weights follow staleness).
+    normalized: bool = False
     #: Whether the combine works around the previous aggregate (``begin``'s ``center``).
     needs_center: bool = False
 
@@ -62,6 +65,7 @@ class WeightedMean(Combine):
     """
 
     linear = True
+    normalized = True
 
     def __init__(self) -> None:
         self.running_sum: np.ndarray | None = None
@@ -99,6 +103,8 @@ class WeightedMean(Combine):
 
 class WeightedSum(WeightedMean):
     """sum(w_i d_i), for callers that normalise themselves (e.g. FedAsync mixing)."""
+
+    normalized = False
 
     def result(self) -> np.ndarray | None:
         if self.running_sum is None or self.total_weight <= 0:

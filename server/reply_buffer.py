@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 from flwr.app import Message
 
-from aggregation import Pipeline, Update, WeightedMean
+from aggregation import Pipeline, Update
 from client.protocol.errors import WireError
 from server.inflight import Task
 from server.rounds import RoundResult, mean_loss, update_record
@@ -115,7 +115,7 @@ class PlainBuffer:
     def _combined(self) -> np.ndarray | None:
         """The combined delta; a weighted mean is rescaled to sum(b s delta) / sum(b)."""
         delta = self.agg.finish()
-        if (self.rescale and delta is not None and type(self.agg.combine) is WeightedMean
+        if (self.rescale and delta is not None and self.agg.combine.normalized
                 and self.base_total > 0 and self.agg.total_weight != self.base_total):
             delta *= np.float32(self.agg.total_weight / self.base_total)
         return delta
