@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ from flwr.clientapp import ClientApp
 from rich.console import Console
 
 from client.protocol.keys import MetricKey
-from client.secure_client import register_secagg
 from privacy.dp import DPConfig
 from server.config import FederationConfig
 from server.dp import DPController, dp_controller, noise_hint
@@ -30,6 +28,7 @@ from server.store.serialize import pack_state, unpack_state
 from simulations.apps import build_task
 from simulations.config import load_scenario
 from simulations.progress import RichReporter
+from tests.dp.test_dp_central_public_count import secure_app
 
 CENTRAL = ['dp.mode="central"', 'aggregation.weight_by="uniform"', "dp.delta=1e-5"]
 KNOBS = ("federation.clients", "federation.sample_fraction", "dp.noise_multiplier", "dp.clip")
@@ -53,19 +52,6 @@ def same_update_app(u: np.ndarray) -> ClientApp:
     return app
 
 
-@dataclass
-class Fixed:
-    delta: np.ndarray
-    metrics: MetricRecord
-
-
-def secure_same_update_app(u: np.ndarray) -> ClientApp:
-    """Under secure aggregation every client masks u: the server decodes only the sum."""
-    app = ClientApp()
-    register_secagg(app, lambda msg, ctx: Fixed(u, MetricRecord({MetricKey.NUM_EXAMPLES: 10})))
-    return app
-
-
 def fedring_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == "fedring" and r.levelno == logging.WARNING]
@@ -84,7 +70,7 @@ def test_ratio_is_the_released_noise_over_the_mean_clipped_update(run_inprocess,
     u = np.random.default_rng(1).standard_normal(dim)
     u = (u * (0.9 * clip / np.linalg.norm(u))).astype(np.float32)  # not clipped
     models: list[np.ndarray] = []
-    app = secure_same_update_app(u) if secure else same_update_app(u)
+    app = secure_app(u) if secure else same_update_app(u)  # secure: each masks u
     summary = run_inprocess(cfg, app, models=models)
     [row] = [r for r in store.rounds(summary["run_id"]) if r.round == 1]
     assert row.num_accepted == clients
