@@ -21,7 +21,7 @@ ENGINES = ("inprocess", "flower")
 TARGETS = ("central", "federated", "personal")  # server.driver_config.TARGET_METRICS' keys
 LAST_RUN = "last"  # `fedring report last`: the newest run in the store
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status of a pipe writer whose reader is gone
-MIN_DIFFERS_WIDTH = 8  # narrower, `fedring runs` wraps names to fit "differs" this wide
+MIN_DIFFERS_WIDTH = 24  # narrower, `fedring runs` lists each run's changes below its table
 MIN_REASON_WIDTH = 24  # narrower, `report --updates` puts each reason below its update
 
 
@@ -210,6 +210,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     from server.store import Store
     from simulations.report import RUN_COLUMNS, run_row
@@ -221,13 +222,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
         return 0
 
     def table_of(differs_width: int | None) -> Table:
-        """The runs; "differs" ``differs_width`` wide, cut with "…" (None: left out)."""
+        """The runs; "differs" ``differs_width`` wide, wrapped between its parts (None: left
+        out), so every change shows whole."""
         columns = [c for c in RUN_COLUMNS if c != "differs" or differs_width is not None]
         table = Table(title=f"runs in {args.db}", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
                       show_edge=False)
         for col in columns:  # ids and dates are never cut, a name wraps if it must
             if col == "differs":
-                table.add_column(col, width=differs_width, no_wrap=True, overflow="ellipsis")
+                table.add_column(col, width=differs_width, overflow="fold")
             else:
                 table.add_column(col, no_wrap=col != "name", overflow="fold")
         for r in runs:
@@ -238,8 +240,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
     console = _stdout_console()
     longest = max((len(r["differs"]) for r in runs), default=0)
     room = console.width - _width(table_of(None)) - 2  # its padding and rule
-    console.print(table_of(min(max(longest, len("differs")), max(MIN_DIFFERS_WIDTH, room))
-                           if longest else None))
+    if not longest or room >= MIN_DIFFERS_WIDTH:
+        console.print(table_of(min(max(longest, len("differs")), room) if longest else None))
+        return 0
+    console.print(table_of(None))  # too narrow for a column: each run's changes below
+    console.print("what each run changed from its scenario:")
+    for r in runs:
+        if r["differs"]:
+            console.print(Text(f"{r['run']}  {r['differs']}"), overflow="fold")
     return 0
 
 
