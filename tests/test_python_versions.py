@@ -35,6 +35,14 @@ def _makefile_value(name: str) -> str:
     return match.group(1)
 
 
+@pytest.fixture(autouse=True)
+def _shell_environment(monkeypatch):
+    """A user's shell: no PYTHONPATH or PYTHONHOME, which Ray leaves set for Python 3.11 in
+    this process once a test started it, and which breaks other Pythons."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("PYTHONHOME", raising=False)
+
+
 def _make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``make -n ARGS`` in a copy of the Makefile, .ci/ and pyproject.toml (no venv there)."""
     if not (tmp_path / "Makefile").exists():
