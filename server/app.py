@@ -17,19 +17,17 @@ from flwr.serverapp import Grid, ServerApp
 from aggregation.pipeline import PreCombine
 from server.audit import make_audit
 from server.clock import Clock
-from server.compression import ReplyCompression
 from server.config import FederationConfig
 from server.dp import dp_controller
-from server.fedbuff import FedBuffRounds
+from server.drivers import driver
 from server.reporter import LogReporter, Reporter, Reporters
 from server.rounds import RoundSource, RunContext, wait_for_nodes
 from server.run_loop import RunLoop
 from server.scenario import ServerScenario
 from server.secagg_config import exposure_warning
-from server.secure_round import SecureSettings, SecureSum, make_secure_settings
+from server.secure_round import SecureSettings, make_secure_settings
 from server.settings_checks import check_settings
 from server.store import Store, absolute_url, mask_url
-from server.sync_rounds import PlainReplies, SyncRounds
 from server.task import ServerTask
 
 DEFAULT_DB = "sqlite:///runs/fedring.db"
@@ -52,14 +50,15 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
 
     With ``resume`` (a run id in the store) the run continues from its last checkpoint.
 
-    The ``[driver]`` section picks the round source (sync, FedAsync, FedBuff,
-    cross-silo or gossip), which ``server.run_loop.RunLoop`` drives; ``clock`` is a
-    simulated clock in simulations, else the wall clock is used. ``pre_combine`` may
+    ``[driver] kind`` names the driver (``server.drivers``), which builds the run's round
+    source (sync, FedAsync, FedBuff, cross-silo, gossip or one registered later) that
+    ``server.run_loop.RunLoop`` drives; ``clock`` is a simulated clock in simulations,
+    else the wall clock is used. ``pre_combine`` may
     rewrite each sync round's updates before they are aggregated
     (``aggregation.pipeline.Pipeline``; the simulations' omniscient attackers).
     """
-    check_settings(config)  # a configuration made by hand is refused before any round too
     scenario = ServerScenario.of(config)  # the typed sections, parsed once
+    check_settings(scenario)  # a configuration made by hand is refused before any round too
     dp = dp_controller(scenario.dp, scenario.federation) if scenario.dp.enabled else None
     audit = make_audit(scenario, dp)  # None without [audit]: no canary enters the run
     pipeline = scenario.aggregation.build(dp.stages() if dp is not None else ([], []),
@@ -81,28 +80,9 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
 
 
 def round_source(ctx: RunContext, *, secure: SecureSettings | None) -> RoundSource:
-    """The round source ``[driver] kind`` names, secure when ``secure`` is given."""
-    scenario, kind = ctx.scenario, ctx.driver_config.kind
-    compression = ReplyCompression.of(scenario.compression, secure=secure is not None)
-    if kind == "gossip":  # each silo averages its own model with its neighbours'
-        from server.cross_silo import CrossSiloRounds
-        from server.gossip import GossipCollector
-
-        return CrossSiloRounds(ctx, silo=scenario.silo, aggregation=scenario.aggregation,
-                               ring=GossipCollector(scenario.gossip))
-    if kind == "cross_silo":  # the silos aggregate among themselves over a ring
-        from server.cross_silo import CrossSiloRounds
-        from server.cross_silo_secure import SecureRing
-
-        return CrossSiloRounds(ctx, silo=scenario.silo, aggregation=scenario.aggregation,
-                               ring=SecureRing(secure) if secure is not None else None)
-    if kind in ("fedbuff", "fedasync"):
-        return FedBuffRounds(ctx, weight_by=scenario.aggregation.weight_by,
-                             compression=compression, secure=secure,
-                             mixing=kind == "fedasync")
-    collector = (SecureSum(ctx, secure) if secure is not None
-                 else PlainReplies(ctx, compression))
-    return SyncRounds(ctx, collector)
+    """The round source that the driver ``[driver] kind`` names builds for this run,
+    secure when ``secure`` is given."""
+    return driver(ctx.driver_config.kind).build(ctx, secure)
 
 
 def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,

@@ -21,7 +21,7 @@ from aggregation.bucketing import Bucketing
 from aggregation.combine import Combine
 from aggregation.nnm import NNM
 from aggregation.pipeline import PreCombine
-from aggregation.registry import ROBUST_KINDS, make_robust_combine
+from aggregation.registry import combine_spec, make_robust_combine, robust_kinds
 from aggregation.robust import RobustCombine
 from aggregation.server_opt import SERVER_OPTIMIZERS
 from aggregation.staleness import StalenessFn, staleness_function
@@ -224,7 +224,7 @@ class AggregationConfig:
     client_momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        check_choice("aggregation.combine", self.combine, (*LINEAR_COMBINES, *ROBUST_KINDS))
+        check_choice("aggregation.combine", self.combine, (*LINEAR_COMBINES, *robust_kinds()))
         check_choice("aggregation.server_opt", self.server_opt, SERVER_OPTIMIZERS)
         if self.max_norm < 0:
             raise ValueError("aggregation.max_norm must be >= 0 (0 means no bound)")
@@ -279,17 +279,7 @@ class AggregationConfig:
     def _combine(self, seed: int = 0) -> Combine:
         if self.combine in LINEAR_COMBINES:
             return make_combine(self.combine)
-        params: dict[str, Any] = {
-            "median": {}, "trimmed_mean": {"beta": self.trim_beta}, "krum": {"f": self.f},
-            "multikrum": {"f": self.f, "m": self.multikrum_m or None},
-            "bulyan": {"f": self.f, "selection": self.bulyan_selection},
-            "centered_clip": {"radius": self.clip_radius, "iterations": self.clip_iterations,
-                              "f": self.f, "scale": self.clip_scale,
-                              "late_iterations": self.clip_iterations_late or None,
-                              "late_after": self.clip_late_after},
-            "geometric_median": {"nu": self.gm_nu, "iterations": self.gm_iterations,
-                                 "f": self.f},
-        }[self.combine]
+        params = combine_spec(self.combine).params(self)  # its keys of [aggregation]
         try:
             combine = make_robust_combine(self.combine, **params)
         except ValueError as exc:

@@ -1,8 +1,9 @@
 """The ``[driver]`` and ``[clients]`` scenario sections, validated.
 
-``[driver]`` picks the round driver (sync, FedAsync, FedBuff, cross-silo or gossip), its straggler
-handling and the staleness keys (``server.config.StalenessConfig``, which the aggregation
-pipeline applies); ``[clients]`` describes simulated client speed and availability.
+``[driver]`` names the driver (an entry of ``server.drivers``: sync, FedAsync, FedBuff,
+cross-silo, gossip or one registered later), its straggler handling and the staleness keys
+(``server.config.StalenessConfig``, which the aggregation pipeline applies); ``[clients]``
+describes simulated client speed and availability.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.config import StalenessConfig, check_choice
+from server.drivers import driver, driver_names
 
-DRIVER_KINDS = ("sync", "fedasync", "fedbuff", "cross_silo", "gossip")
 LATE_POLICIES = ("drop", "carry")
 FEDASYNC_SECAGG = ("driver.kind 'fedasync' applies each update on its own, and a single "
                    "update cannot be hidden in a sum: with secagg.enabled = true use "
@@ -54,7 +55,7 @@ class DriverConfig:
     target_on: str = "central"
 
     def __post_init__(self) -> None:
-        check_choice("driver.kind", self.kind, DRIVER_KINDS)
+        check_choice("driver.kind", self.kind, driver_names())
         if self.buffer_size < 1:
             raise ValueError(f"driver.buffer_size must be >= 1, got {self.buffer_size}")
         if self.concurrency < 0:
@@ -80,7 +81,7 @@ class DriverConfig:
 
     @property
     def is_async(self) -> bool:
-        return self.kind in ("fedasync", "fedbuff")
+        return driver(self.kind).asynchronous
 
     def concurrency_for(self, clients_per_round: int) -> int:
         """Clients training at once: the configured limit, else the clients per round."""

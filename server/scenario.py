@@ -16,7 +16,7 @@ from aggregation.compression import CompressionConfig
 from privacy.dp import DPConfig
 from server.config import AggregationConfig, AuditConfig, FederationConfig
 from server.cross_silo_config import GossipConfig, SiloConfig
-from server.driver_config import DriverConfig
+from server.driver_config import ClientsConfig, DriverConfig
 from server.secagg_config import SecAggScenarioConfig
 
 
@@ -35,6 +35,7 @@ class ServerScenario:
     silo: SiloConfig
     gossip: GossipConfig
     audit: AuditConfig
+    clients: ClientsConfig  # the simulated clients' speed and availability
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> ServerScenario:
@@ -51,4 +52,5 @@ class ServerScenario:
                    compression=CompressionConfig(**section("compression")),
                    silo=SiloConfig(**section("silo")),
                    gossip=GossipConfig(**section("gossip")),
-                   audit=AuditConfig(**section("audit")))
+                   audit=AuditConfig(**section("audit")),
+                   clients=ClientsConfig(**section("clients")))

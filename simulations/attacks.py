@@ -24,6 +24,10 @@ pre-combine hook: it replaces the updates of the clients that report the attacke
 with the forged ones, from the honest updates of that round's batch. No one sees
 individual updates under secure aggregation, so these two fail at start there (and with
 drivers other than sync rounds).
+
+Each kind is one :class:`AttackSpec` in a registry: what it does to an attacker's delta,
+to its labels or to the round's updates, and its own checks; :func:`register_attack` adds
+one (the built-ins at the end of this module use it).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,8 +44,9 @@ import torch
 from aggregation.update import Update
 from client.task import ATTACKER_METRIC
 
-ATTACK_KINDS = ("sign_flip", "scale", "gaussian_noise", "label_flip", "alie", "ipm")
-OMNISCIENT = ("alie", "ipm")  # forged on the server side from the round's honest updates
+if TYPE_CHECKING:
+    from server.scenario import ServerScenario
+
 NOISE_MODES = ("replace", "add")
 LABEL_MAPS = ("reverse", "shift")
 _STREAM = 0xA77AC  # keeps the attacker draw apart from the run's other seeded draws
@@ -65,9 +70,9 @@ class AttackConfig:
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"attack.fraction must be in [0, 1] (the share of clients that "
                              f"attack; 0: none), got {self.fraction}")
-        if self.kind not in ATTACK_KINDS:
+        if self.kind not in _ATTACKS:
             raise ValueError(f"attack.kind '{self.kind}' is unknown; choose one of: "
-                             f"{', '.join(ATTACK_KINDS)}")
+                             f"{', '.join(_ATTACKS)}")
         if not (math.isfinite(self.factor) and self.factor > 0):
             raise ValueError(f"attack.factor must be > 0 (sign_flip sends -factor * delta), "
                              f"got {self.factor}")
@@ -104,22 +109,72 @@ def choose_attackers(fraction: float, clients: int, seed: int) -> tuple[int, ...
     return tuple(sorted(int(i) for i in rng.choice(clients, size=k, replace=False)))
 
 
-def check_attack(config: Mapping[str, Any]) -> None:
-    """Fail at start when ``attack.fraction`` selects no client at all, or an omniscient
-    attack is set where no one sees the round's individual updates."""
-    attack = AttackConfig(**config["attack"])
-    clients = int(config["federation"]["clients"])
+@dataclass(frozen=True)
+class AttackSpec:
+    """One attack kind. ``tamper(delta, config, seed)`` poisons an attacker's delta in place
+    (None: sent as trained); ``labels(y, num_classes, config)``: the labels an attacker
+    trains on (None: its own); ``forge(honest, n, m, config)``: the update each of the
+    ``m`` attackers among ``n`` sends, from the rows of ``honest`` (the round's honest
+    updates; None: not omniscient); ``rules``: its checks at start, each taking the typed
+    scenario and the ``[attack]`` section."""
+
+    name: str
+    tamper: Callable[[np.ndarray, AttackConfig, int], None] | None = None
+    labels: Callable[[torch.Tensor, int, AttackConfig], torch.Tensor] | None = None
+    forge: Callable[[np.ndarray, int, int, AttackConfig], np.ndarray] | None = None
+    rules: tuple[Callable[[ServerScenario, AttackConfig], None], ...] = ()
+
+
+_ATTACKS: dict[str, AttackSpec] = {}
+
+
+def register_attack(spec: AttackSpec) -> AttackSpec:
+    """Add ``spec`` under its name (a name taken fails)."""
+    if spec.name in _ATTACKS:
+        raise ValueError(f"attack '{spec.name}' is already registered")
+    _ATTACKS[spec.name] = spec
+    return spec
+
+
+def unregister_attack(name: str) -> None:
+    """Remove the attack registered as ``name``."""
+    del _ATTACKS[name]
+
+
+def attack_names() -> tuple[str, ...]:
+    """The registered attack kinds, built-ins first."""
+    return tuple(_ATTACKS)
+
+
+def attack_spec(kind: str) -> AttackSpec:
+    """The attack registered as ``kind``."""
+    if kind not in _ATTACKS:
+        raise ValueError(f"attack.kind '{kind}' is unknown; choose one of: "
+                         f"{', '.join(_ATTACKS)}")
+    return _ATTACKS[kind]
+
+
+def check_attack(scenario: ServerScenario) -> None:
+    """Fail at start when ``attack.fraction`` selects no client at all, or the attack's
+    own rules refuse the scenario."""
+    attack = AttackConfig(**dict(scenario.raw.get("attack") or {}))
+    clients = scenario.federation.clients
     if attack.enabled and attack.num_attackers(clients) == 0:
         raise ValueError(f"attack.fraction {attack.fraction} of {clients} clients selects no "
                          f"attacker: raise it to at least {1 / clients:.3g} or set it to 0")
-    if not attack.enabled or attack.kind not in OMNISCIENT:
-        return
-    if config.get("secagg", {}).get("enabled"):
+    if attack.enabled:
+        for rule in attack_spec(attack.kind).rules:
+            rule(scenario, attack)
+
+
+def check_omniscient(scenario: ServerScenario, attack: AttackConfig) -> None:
+    """An omniscient attack forges from the other updates of a round: someone must see them."""
+    if scenario.secagg.enabled:
         raise ValueError(f"attack.kind = '{attack.kind}' forges updates from the other "
                          "clients' updates of the round, which no one sees under secure "
                          "aggregation: turn secagg off or pick another attack.kind")
-    driver = dict(config.get("driver", {}))
-    if driver.get("kind", "sync") != "sync" or driver.get("late_policy", "drop") != "drop":
+    driver = scenario.driver
+    if driver.kind != "sync" or driver.late_policy != "drop":
         raise ValueError(f"attack.kind = '{attack.kind}' forges updates from a synchronous "
                          "round's batch of honest updates: set driver.kind = 'sync' and "
                          "driver.late_policy = 'drop'")
@@ -151,20 +206,17 @@ def omniscient_attack(config: Mapping[str, Any]) -> Callable[[list[Update]], lis
     update whose metrics carry the attacker metric is replaced by the forged update,
     computed from the round's other (honest) updates; nothing changes without any."""
     attack = AttackConfig(**config.get("attack", {}))
-    if not attack.enabled or attack.kind not in OMNISCIENT:
+    spec = attack_spec(attack.kind)
+    if not attack.enabled or spec.forge is None:
         return None
+    forge_one = spec.forge
 
     def forge(updates: list[Update]) -> list[Update]:
         bad = [i for i, u in enumerate(updates) if u.metrics.get(ATTACKER_METRIC)]
         honest = [u.delta for u in updates if not u.metrics.get(ATTACKER_METRIC)]
         if not bad or not honest:
             return updates
-        x = np.stack(honest)
-        if attack.kind == "ipm":
-            forged = ipm(x, attack.ipm_epsilon)
-        else:
-            z = attack.alie_z or alie_z_max(len(updates), len(bad))
-            forged = alie(x, z)
+        forged = forge_one(np.stack(honest), len(updates), len(bad), attack)
         out = list(updates)
         for i in bad:
             out[i] = replace(updates[i], delta=forged.copy())
@@ -213,6 +265,7 @@ class Attack:
 
     def __init__(self, config: AttackConfig, *, seed: int, clients: int) -> None:
         self.config = config
+        self.spec = attack_spec(config.kind)
         self.attackers = frozenset(choose_attackers(config.fraction, clients, seed))
 
     @classmethod
@@ -227,21 +280,31 @@ class Attack:
 
     def labels(self, partition_id: int, y: torch.Tensor, num_classes: int) -> torch.Tensor:
         """The labels this client trains on: permuted for a label-flipping attacker."""
-        if self.config.kind == "label_flip" and self.is_attacker(partition_id):
-            return flip_labels(y, num_classes, self.config.label_map)
+        if self.spec.labels is not None and self.is_attacker(partition_id):
+            return self.spec.labels(y, num_classes, self.config)
         return y
 
     def tamper(self, partition_id: int, delta: np.ndarray, seed: int) -> bool:
         """Poison an attacker's ``delta`` in place (``seed``: its noise); True for attackers."""
         if not self.is_attacker(partition_id):
             return False
-        c = self.config
-        if c.kind == "sign_flip":
-            sign_flip(delta, c.factor)
-        elif c.kind == "scale":
-            scale(delta, c.scale)
-        elif c.kind == "gaussian_noise":
-            gaussian_noise(delta, c.noise_std, np.random.default_rng(seed), c.noise_mode)
-        # label_flip poisoned the labels, not the delta; alie and ipm are forged by the
-        # server-side hook (omniscient_attack) from the round's honest updates
+        if self.spec.tamper is not None:  # label_flip poisoned the labels; alie and ipm
+            self.spec.tamper(delta, self.config, seed)  # are forged by omniscient_attack
         return True
+
+
+def _forge_alie(honest: np.ndarray, n: int, m: int, c: AttackConfig) -> np.ndarray:
+    return alie(honest, c.alie_z or alie_z_max(n, m))
+
+
+for _spec in (
+    AttackSpec("sign_flip", tamper=lambda delta, c, seed: sign_flip(delta, c.factor)),
+    AttackSpec("scale", tamper=lambda delta, c, seed: scale(delta, c.scale)),
+    AttackSpec("gaussian_noise", tamper=lambda delta, c, seed: gaussian_noise(
+        delta, c.noise_std, np.random.default_rng(seed), c.noise_mode)),
+    AttackSpec("label_flip", labels=lambda y, k, c: flip_labels(y, k, c.label_map)),
+    AttackSpec("alie", forge=_forge_alie, rules=(check_omniscient,)),
+    AttackSpec("ipm", forge=lambda honest, n, m, c: ipm(honest, c.ipm_epsilon),
+               rules=(check_omniscient,)),
+):
+    register_attack(_spec)

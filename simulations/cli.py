@@ -60,6 +60,8 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
 
     from client.training import resolve_device
     from server.app import make_server_app
+    from server.driver_config import DriverConfig
+    from server.drivers import driver
     from simulations.apps import (
         build_task,
         client_app,
@@ -74,8 +76,8 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
     task = build_task(config)  # fails here, before any engine starts, on bad data or model
     TrackingConfig(**config.get("tracking", {})).require()  # and on a missing extra
     device = resolve_device(config["train"]["device"]).type  # clients train on this machine
-    kind = config.get("driver", {}).get("kind")
-    cross_silo = kind in ("cross_silo", "gossip")  # rounds among silos, over their groups
+    kind = DriverConfig(**config.get("driver", {})).kind
+    cross_silo = driver(kind).silos  # rounds among silos, over their groups
     if cross_silo and engine != "inprocess":
         raise ValueError(f"driver.kind '{kind}' needs every silo of a round running at once: "
                          "use --engine inprocess, or deploy silos with `fedring silo`")

@@ -26,8 +26,9 @@ from server.config import (
 )
 from server.cross_silo_config import GossipConfig, SiloConfig
 from server.driver_config import ClientsConfig, DriverConfig
+from server.scenario import ServerScenario
 from server.secagg_config import SecAggScenarioConfig
-from server.settings_checks import check_settings
+from server.settings_checks import check_settings, resolve_secure_qsgd
 from simulations.attacks import AttackConfig, check_attack
 from simulations.datasets import dataset_names
 from simulations.engine_config import EngineConfig
@@ -206,8 +207,10 @@ def validate(raw: Mapping[str, Any]) -> dict[str, Any]:
     fed = FederationConfig(**config["federation"])
     AggregationConfig(**config["aggregation"]).check_clients(fed.max_per_round())
     config["dp"] = DPConfig.from_dict(raw.get("dp", {})).to_dict()
-    check_settings(config, raw.get("secagg", {}))  # may resolve [secagg] bits for QSGD
-    check_attack(config)
+    resolve_secure_qsgd(config, raw.get("secagg", {}))  # [secagg] bits for secure QSGD
+    scenario = ServerScenario.of(config)
+    check_settings(scenario)
+    check_attack(scenario)
     return config
 
 

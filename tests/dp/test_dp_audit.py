@@ -23,6 +23,7 @@ from server.audit import CanaryAudit, sampling_rate
 from server.config import AggregationConfig, AuditConfig, FederationConfig
 from server.dp import DPController
 from server.rounds import RoundResult, update_record
+from server.scenario import ServerScenario
 from server.settings_checks import check_audit
 from server.store.records import UpdateRecord
 from simulations.config import load_scenario
@@ -367,8 +368,9 @@ def test_without_dp_there_is_no_reference_and_no_flag():
 def test_audit_is_off_by_default_and_in_the_resolved_config():
     cfg = load_scenario("default")
     assert cfg["audit"] == {"canaries": 0, "canary_norm": 0.0}
-    assert check_audit(cfg) is None
-    assert check_audit(load_scenario("default", ["audit.canaries=10"])).canaries == 10
+    assert check_audit(ServerScenario.of(cfg)) is None
+    audited = ServerScenario.of(load_scenario("default", ["audit.canaries=10"]))
+    assert check_audit(audited).canaries == 10
 
 
 @pytest.mark.parametrize("overrides, message", [
