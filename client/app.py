@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,22 +29,20 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from aggregation.centered import clip_around
 from client import local_state
 from client.compression import reply_record
 from client.dp_sgd import DPSGDBudgetExceeded, dp_sgd_round
 from client.flat_model import FlatModel
-from client.momentum import momentum_update
 from client.protocol.errors import WireError
 from client.protocol.evaluation import ClientEvaluation, evaluation_metrics
 from client.protocol.flower_compat import ClientAppCallable
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
 from client.protocol.records import metric_record, record_dict
-from client.protocol.train import read_center, read_client_momentum, read_dp_sgd_prior_rounds
+from client.protocol.train import read_dp_sgd_prior_rounds
 from client.protocol.updates import flatten_model, model_record, model_views, read_model
 from client.secure_client import register_secagg
-from client.task import ATTACKER_METRIC, ClientTask, LocalEvaluate, SpecResolver, TaskFactory
+from client.task import ClientTask, LocalEvaluate, SpecResolver, TaskFactory
 from client.training import (
     check_model,
     evaluate,
@@ -54,7 +51,7 @@ from client.training import (
     resolve_device,
     train,
 )
-from privacy.dp import local_dp_update
+from client.update_pipeline import PostTraining, fedring_pipeline
 from privacy.secagg import ProtocolError
 
 MESSAGE_REFUSED = 400  # Error code of the reply to a server message the client cannot use
@@ -178,18 +175,7 @@ def training_seed(seed: int, server_round: int, partition_id: int) -> int:
 # Per-process state, shared by every copy of the ClientApp in this process: Flower's Ray
 # backend unpickles the app for each message, while the process (and this cache) lives on.
 _WORKERS: dict[str, _Worker] = {}
-_NOISE: dict[int, np.random.Generator] = {}
 _SPECS: dict[str, str] = {}  # run config (JSON) -> task spec (JSON), for stock strategies
-
-
-def noise_rng() -> np.random.Generator:
-    """This process's generator for DP noise, seeded from OS entropy (again after a fork):
-    noise that could be replayed from a seed would protect nothing."""
-    pid = os.getpid()
-    if pid not in _NOISE:
-        _NOISE.clear()
-        _NOISE[pid] = np.random.default_rng()
-    return _NOISE[pid]
 
 
 class FedringClient:
@@ -270,11 +256,34 @@ class FedringClient:
             np.copyto(model.flat_np, base_flat)       # model itself is not used)
         local_state.restore(context.state, model, fedbn)  # this node's own buffers
         model.to_device()  # the one copy to the device (none on the CPU)
+        seed = training_seed(worker.task.seed, _int_setting(config, ConfigKey.SERVER_ROUND), pid)
+        trained, values = self._local_training(worker, pid, seed, config, context, pretrained)
+        model.to_host()  # the one copy back to the host (none on the CPU)
+        local_state.keep(context.state, model, fedbn)
+        # In-process, the delta is written straight into the buffer its reply will carry.
+        if in_place:  # the model trained in that buffer: ``trained`` becomes the delta
+            delta, worker.lent = trained, True
+        else:
+            delta = worker.replies.delta(model.dim) if in_process else worker.delta
+        np.subtract(trained, base_flat, out=delta)
+        steps = fedring_pipeline(worker.task, config, local=worker.local if fedbn else None,
+                                 dim=model.dim)
+        done = steps.run(PostTraining(delta, values, partition_id=pid, seed=seed,
+                                      state=context.state))
+        return LocalUpdate(delta=done.delta, metrics=metric_record(values), config=config,
+                           base=base, base_flat=base_flat, trained=trained, model=model,
+                           partition_id=pid, noised=done.noised)
+
+    def _local_training(self, worker: _Worker, pid: int, seed: int, config: ConfigRecord,
+                        context: Context, pretrained: tuple[np.ndarray, float] | None
+                        ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Train the model (on its device) on this node's partition, or take what its
+        cohort trained; the trained flat model (on the host once copied back) and the
+        reply's metrics."""
+        model = worker.model
         global_params = None
         if worker.task.train_config.proximal_mu > 0:  # the anchor: parameters only
             global_params = [p.detach().clone() for p in model.module.parameters()]
-        server_round = _int_setting(config, ConfigKey.SERVER_ROUND)
-        seed = training_seed(worker.task.seed, server_round, pid)
         trained = model.flat_np
         if worker.task.trainer is not None:  # the task's own loop (a user's task module)
             count, results = worker.task.trainer(model.module, pid, seed)
@@ -294,33 +303,7 @@ class FedringClient:
             else:
                 loss = worker.train_one(x, y, seed, global_params)
             values["train_loss"] = loss
-        model.to_host()  # the one copy back to the host (none on the CPU)
-        local_state.keep(context.state, model, fedbn)
-        # In-process, the delta is written straight into the buffer its reply will carry.
-        if in_place:  # the model trained in that buffer: ``trained`` becomes the delta
-            delta, worker.lent = trained, True
-        else:
-            delta = worker.replies.delta(model.dim) if in_process else worker.delta
-        np.subtract(trained, base_flat, out=delta)
-        for _, span in worker.local if fedbn else ():
-            delta[span] = 0.0  # FedBN: kept here, never averaged
-        if worker.task.local_dp is not None:
-            clip, z = worker.task.local_dp
-            delta, _ = local_dp_update(delta, clip, z, noise_rng())
-        beta = read_client_momentum(config)
-        if beta:  # worker momentum over the (noised) deltas; an attacker forges after it
-            delta = momentum_update(context.state, delta, beta)
-        tampered = worker.task.tamper(pid, delta, seed)  # simulated attackers only
-        if tampered:
-            values[ATTACKER_METRIC] = 1
-        center = read_center(config, model.dim)  # client-side centered clipping (secagg)
-        if center is not None:
-            clip_around(delta, *center)
-        return LocalUpdate(delta=delta, metrics=metric_record(values), config=config,
-                           base=base, base_flat=base_flat, trained=trained, model=model,
-                           partition_id=pid,
-                           noised=worker.task.local_dp is not None or tampered
-                           or center is not None or bool(beta))
+        return trained, values
 
     def train(self, msg: Message, context: Context) -> Message:
         update = self.local_update(msg, context)

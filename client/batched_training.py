@@ -25,6 +25,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from client.task import ClientTask
 from client.training import TrainConfig, resolve_device
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults, as make_optimizer
@@ -39,9 +40,9 @@ class CohortClient:
     seed: int
 
 
-def unsupported(module: torch.nn.Module, cfg: TrainConfig, task: object) -> str | None:
+def unsupported(module: torch.nn.Module, cfg: TrainConfig, task: ClientTask) -> str | None:
     """Why clients of this task cannot be trained as one batched computation, or None."""
-    if getattr(task, "trainer", None) is not None:
+    if task.trainer is not None:
         return "the task brings its own train()"
     if resolve_device(cfg.device).type != "cpu":
         return f"vectorized cohorts train on the CPU, and train.device is {cfg.device}"

@@ -43,7 +43,6 @@ from client.app import (
     LocalUpdate,
     measure,
     no_held_out_split,
-    noise_rng,
     record_of,
     training_seed,
 )
@@ -70,7 +69,7 @@ from client.silo.gossip import HeldModel, mix
 from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
 from client.training import evaluate, train
-from privacy.dp import local_dp_update
+from client.update_pipeline import PostTraining, silo_pipeline
 from privacy.secagg.messages import decode_masked_input
 
 
@@ -183,7 +182,7 @@ class SiloClient(FedringClient):
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
         key = self._task_key(config, context)
         worker = self.workers.get(key, context.node_id)
-        if getattr(worker.task, "trainer", None) is not None:
+        if worker.task.trainer is not None:
             raise WireError("a silo trains with fedring's data-parallel loop, which cannot run "
                             "the task module's own train(): remove train() from the module")
         pid = self._partition_id(context)
@@ -221,17 +220,13 @@ class SiloClient(FedringClient):
         local_state.keep(context.state, model, fedbn)
         metrics["train_loss"] = loss
         np.subtract(model.flat_np, delta, out=delta)
-        for _, span in local_state.local_spans(model) if fedbn else ():
-            delta[span] = 0.0  # FedBN: kept here, never averaged
-        if worker.task.local_dp is not None:
-            clip, z = worker.task.local_dp
-            delta, _ = local_dp_update(delta, clip, z, noise_rng())
-        tamper = getattr(worker.task, "tamper", None)  # simulated attackers only
-        tampered = bool(tamper(pid, delta, seed)) if tamper is not None else False
-        return LocalUpdate(delta=delta, metrics=metrics, config=config, base=base,
+        steps = silo_pipeline(worker.task,
+                              local=local_state.local_spans(model) if fedbn else None)
+        done = steps.run(PostTraining(delta, metrics, partition_id=pid, seed=seed,
+                                      state=context.state))
+        return LocalUpdate(delta=done.delta, metrics=metrics, config=config, base=base,
                            base_flat=base_flat, trained=model.flat_np, model=model,
-                           partition_id=pid,
-                           noised=worker.task.local_dp is not None or tampered)
+                           partition_id=pid, noised=done.noised)
 
     def cross_silo(self, msg: Message, context: Context) -> Message:
         """Train, join the round's ring, reply with the digest (ring rank 0: and the aggregate)."""
@@ -318,7 +313,7 @@ class SiloClient(FedringClient):
         worker = self.workers.get(self._task_key(config, context), context.node_id)
         pid = self._partition_id(context)
         record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
-        evaluator = getattr(worker.task, "evaluator", None)
+        evaluator = worker.task.evaluator
         held = worker.held_out(pid) if evaluator is None else None
         if evaluator is None and held is None:
             raise no_held_out_split(pid)
