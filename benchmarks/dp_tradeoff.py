@@ -34,7 +34,7 @@ from client.secure_client import encode_distributed, quantize_into, register_sec
 from privacy.dp import DPConfig, plan_distributed_dp
 from server.dp import DPController
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from server.store import Store
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
@@ -135,10 +135,10 @@ def secure_round_cost(n: int, dim: int, z: float, repeats: int) -> dict[str, Any
     def once(with_dp: bool) -> float:
         grid = InProcessGrid(app, n)
         t0 = time.perf_counter()
-        out = secure_round(grid, nodes=list(deltas), arrays=ArrayRecord(),
-                           config=ConfigRecord({ConfigKey.SEED: 0}), settings=settings,
-                           weight_by="uniform", dim=dim, session=1, rnd=1, timeout=600.0,
-                           poll=0.001, dp=dp if with_dp else None)
+        session = SecAggSession(grid, settings, "uniform", 1, 600.0, 0.001,
+                                dp if with_dp else None)
+        out = session.run(list(deltas), 1,
+                          TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0}), dim))
         if out.status != "completed":
             raise RuntimeError(f"secure round {out.status}: {out.abort_reason}")
         return time.perf_counter() - t0

@@ -5,7 +5,7 @@ other, no serialisation), with synthetic clients whose "training" returns a fixe
 float32 delta of d coordinates, so only aggregation and protocol costs are measured:
 
 - plain: fedring's FedAvg round (delta replies, streaming weighted mean, server step);
-- fedring: ``server.secure_round`` + ``client.secure_client`` with k = default_k(N)
+- fedring: ``server.secagg_session`` + ``client.secure_client`` with k = default_k(N)
   ("auto"), k = 3, and the full graph (k = N-1, SecAgg), each twice: with the clients
   quantizing and masking on the machine's cores (node config ``mask-threads``, the
   in-process engine's default) and on one thread ("auto_1t", "k3_1t", "full_1t");
@@ -78,7 +78,7 @@ from privacy.secagg.prg import prg_bound
 from privacy.secagg.stages import MsgType
 from privacy.secagg.workers import cpu_seconds, default_threads
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from simulations.inprocess import InProcessGrid
 
 CLIP = 8.0  # Flower's default clipping range; deltas here are far inside it
@@ -172,10 +172,9 @@ def fedring_round(grid: InProcessGrid, nodes: list[int], d: int,
                   settings: SecAggScenarioConfig, rnd: int) -> tuple[float, Any]:
     params, arrays = model(d)
     started = time.perf_counter()
-    out = secure_round(grid, nodes=nodes, arrays=arrays,
-                       config=ConfigRecord({ConfigKey.SEED: 0, "server-round": rnd}),
-                       settings=settings, weight_by="examples", dim=d, session=1, rnd=rnd,
-                       timeout=3600.0, poll=0.001)
+    session = SecAggSession(grid, settings, "examples", 1, 3600.0, 0.001)
+    out = session.run(nodes, rnd,
+                      TrainStart(arrays, ConfigRecord({ConfigKey.SEED: 0, "server-round": rnd}), d))
     if out.status != "completed":
         raise RuntimeError(f"secure round aborted: {out.abort_reason}")
     params += (out.weighted_sum / out.total_weight).astype(np.float32)

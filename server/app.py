@@ -25,7 +25,7 @@ from server.rounds import RoundSource, RunContext, wait_for_nodes
 from server.run_loop import RunLoop
 from server.scenario import ServerScenario
 from server.secagg_config import exposure_warning
-from server.secure_round import SecureSettings, make_secure_settings
+from server.secure_aggregation import SecureAggregation, make_secure_aggregation
 from server.settings_checks import check_settings
 from server.store import Store, absolute_url, mask_url
 from server.task import ServerTask
@@ -66,7 +66,7 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
                                           canaries=audit, seed=scenario.seed,
                                           secure=scenario.secagg.enabled,
                                           pre_combine=pre_combine)
-    secure = make_secure_settings(scenario)  # None unless [secagg] is enabled
+    secure = make_secure_aggregation(scenario)  # None unless [secagg] is enabled
     store = Store(store_url)
     try:
         ctx = RunContext(grid, scenario=scenario, task=task, pipeline=pipeline, store=store,
@@ -79,7 +79,7 @@ def run_server(grid: Grid, config: dict[str, Any], *, task: ServerTask, store_ur
         store.close()
 
 
-def round_source(ctx: RunContext, *, secure: SecureSettings | None) -> RoundSource:
+def round_source(ctx: RunContext, *, secure: SecureAggregation | None) -> RoundSource:
     """The round source that the driver ``[driver] kind`` names builds for this run,
     secure when ``secure`` is given."""
     return driver(ctx.driver_config.kind).build(ctx, secure)

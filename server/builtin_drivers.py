@@ -17,8 +17,8 @@ from server.cross_silo_config import GossipConfig, SiloConfig
 from server.drivers import Builder, DriverSpec, register_driver
 from server.fedbuff import FedBuffRounds
 from server.rounds import RoundSource, RunContext
-from server.secure_round import SecureSettings as Secure
-from server.secure_round import SecureSum
+from server.secure_aggregation import SecureAggregation as Secure
+from server.secure_sync import SecureSum
 from server.sync_rounds import PlainReplies, SyncRounds
 
 

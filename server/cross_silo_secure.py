@@ -2,7 +2,7 @@
 
 With ``[secagg] enabled`` and ``[driver] kind = "cross_silo"`` each silo is a SecAgg+
 client (``client.secure_client``) and the round is a secure round
-(``server.secure_round.secure_round``) whose masked-input stage runs over the ring:
+(``server.secagg_session.SecAggSession``) whose masked-input stage runs over the ring:
 
     train.secagg   model + SETUP        -> ADVERTISE_KEYS   (the silo trains first)
     query.secagg   PUBLIC_KEYS          -> SHARE_KEYS
@@ -34,8 +34,9 @@ from client.protocol.secagg import SecAggKey, SecAggRecord
 from privacy.secagg import SecAggServer
 from server.cross_silo import CrossSiloOutcome, CrossSiloRounds, judge
 from server.rounds import RoundResult
+from server.secagg_session import TrainStart
+from server.secure_aggregation import SecureAggregation, secure_result
 from server.secure_outcome import SecureRoundOutcome
-from server.secure_round import SecureSettings, secure_result, secure_round, session_id
 from server.store import UpdateRecord
 
 KEY_STAGES = ("advertise_keys", "share_keys", "unmasking")  # dropouts there are the silo's
@@ -90,7 +91,7 @@ class SecureRing:
 
     central_model = True
 
-    def __init__(self, secure: SecureSettings) -> None:
+    def __init__(self, secure: SecureAggregation) -> None:
         self.secure = secure
 
     def collect(self, rounds: CrossSiloRounds, run_id: str, rnd: int,
@@ -99,14 +100,11 @@ class SecureRing:
         ctx, secure = rounds.ctx, self.secure
         version = ctx.state.version
         stage = RingStage(rounds, run_id, rnd, order)
-        outcome = secure_round(
-            ctx.grid, nodes=order, arrays=ctx.model_record(), config=ctx.train_config(rnd),
-            settings=secure.round_settings(ctx.dp), weight_by=rounds.weight_by,
-            dim=ctx.layout.dim,
-            session=session_id(run_id), rnd=rnd,
-            timeout=ctx.driver_config.deadline(ctx.fed.round_timeout_s), poll=ctx.fed.poll_s,
-            on_reply=lambda i: ctx.reporter.client_done(rnd, i, len(order)), dp=ctx.dp,
-            masked_input=stage)
+        start = TrainStart(ctx.model_record(), ctx.train_config(rnd), ctx.layout.dim)
+        session = secure.session(ctx, run_id, dp=ctx.dp,
+                                 timeout=ctx.driver_config.deadline(ctx.fed.round_timeout_s))
+        outcome = session.run(order, rnd, start, masked_input=stage,
+                              on_reply=lambda i: ctx.reporter.client_done(rnd, i, len(order)))
         if stage.failure:
             outcome.abort_reason = stage.failure
         aggregate = secure.aggregate(outcome, ctx.dp, reporter=ctx.reporter)

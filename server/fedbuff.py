@@ -50,8 +50,8 @@ from server.inflight import Event, InFlight, Task
 from server.replies import decode_train_reply
 from server.reply_buffer import PlainBuffer, ReplyBuffer
 from server.rounds import RoundResult, RoundSource, RunContext
+from server.secure_aggregation import SecureAggregation
 from server.secure_buffer import SecureBuffer
-from server.secure_round import SecureSettings
 from server.settle import mismatch, unreachable
 from server.store import UpdateRecord
 from server.wire_bytes import ByteCountingGrid
@@ -64,7 +64,7 @@ class FedBuffRounds(RoundSource):
     FedAsync: every accepted update is mixed in at once with weight alpha * s(tau)."""
 
     def __init__(self, ctx: RunContext, *, weight_by: str,
-                 compression: ReplyCompression | None, secure: SecureSettings | None,
+                 compression: ReplyCompression | None, secure: SecureAggregation | None,
                  mixing: bool = False) -> None:
         if ctx.dp is not None:
             raise ValueError("differential privacy accounting assumes synchronous rounds; "

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
@@ -34,7 +34,6 @@ from server.wire_bytes import ByteCountingGrid
 
 if TYPE_CHECKING:
     from server.dp import DPController
-    from server.secure_outcome import SecureRoundOutcome
 
 
 @dataclass
@@ -116,13 +115,25 @@ def wait_for_nodes(grid: Grid, fed: FederationConfig) -> list[int]:
         time.sleep(fed.poll_s)
 
 
+class RoundSession(Protocol):
+    """A protocol session a round ran (a SecAgg+ sum: ``server.secure_outcome``), as the
+    run loop sees it: a record to store and figures for the round's line."""
+
+    def save(self, store: Store, run_id: str, rnd: int) -> None:
+        """Store the session as round ``rnd``'s (called by the run loop, once)."""
+
+    def shown(self) -> dict[str, float]:
+        """The session's figures for the round's line (not stored with the round)."""
+
+
 @dataclass
 class RoundResult:
     """What one round produced, for the run loop to finish.
 
     ``aggregate`` is what the pipeline's post stages and server optimizer take (None:
     nothing is applied and the model keeps its version); ``noise_multiplier`` the noise
-    actually in the sum when it differs from the plan's (distributed DP with dropouts).
+    actually in the sum when it differs from the plan's (distributed DP with dropouts);
+    ``session`` the protocol session the round ran, if any.
     """
 
     aggregate: np.ndarray | None
@@ -134,7 +145,7 @@ class RoundResult:
     count: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     noise_multiplier: float | None = None
-    secure: SecureRoundOutcome | None = None
+    session: RoundSession | None = None
     note: str | None = None  # why the model is unchanged, for the user
     # the clients' own evaluations, where the round source made them (gossip: each silo's
     # model on its held-out split); else the run loop's federated evaluation, when due

@@ -1,7 +1,9 @@
 """The one run loop: rounds from a source, each finished in one place.
 
 Every kind of round (plain replies, a SecAgg+ sum, a FedBuff buffer, a ring sum across
-silos) is a ``server.rounds.RoundSource`` that returns a ``RoundResult``;
+silos) is a ``server.rounds.RoundSource`` that returns a ``RoundResult`` (with the
+protocol session it ran, if any: a ``server.rounds.RoundSession``, which the loop stores
+and shows without knowing its protocol);
 :meth:`RunLoop.finish_round` then applies it through the pipeline's post stages and server
 optimizer, bumps the model version, evaluates, charges the privacy accountant, records
 the round and every update's fate, checkpoints and reports — the same steps for all.
@@ -148,15 +150,14 @@ class RunLoop:
             self._failed_streak = []
         self._record(run_id, rnd, result, metrics, applied=applied,
                      wall_s=time.perf_counter() - t0, evaluations=evaluations)
-        if result.secure is not None:
-            ctx.store.record_secagg_round(run_id, round=rnd, **result.secure.session_record())
+        if result.session is not None:
+            result.session.save(ctx.store, run_id, rnd)
         state.history.append(metrics)
         if ctx.fed.checkpoint_every and rnd % ctx.fed.checkpoint_every == 0:
             self._checkpoint(run_id)
         shown = {**metrics, **{k: float(v) for k, v in counts.items()}}
-        if result.secure is not None:  # the secure round's outcome, for the round's line
-            shown.update(secure_survivors=float(len(result.secure.survivors)),
-                         secure_aborted=float(result.secure.status == "aborted"))
+        if result.session is not None:  # the round's session, for the round's line
+            shown.update(result.session.shown())
         ctx.reporter.round_finished(rnd, shown)
         return metrics
 

@@ -3,7 +3,7 @@ of each FedBuff buffer (``driver.kind = "fedbuff"``: ``server.secure_buffer``).
 
 With ``enabled = true`` every sampled client masks its clipped, weighted, quantized
 delta, and the server learns only the sum over the round's survivors (see
-``server.secure_round`` and ``client.secure_client``). Keys:
+``server.secagg_session`` and ``client.secure_client``). Keys:
 
 - ``neighbors``: "auto" (the smallest degree k that keeps the failure and leak
   probabilities below 2^-20 and 2^-40, ``privacy.secagg.default_k``, at least 3), "full"

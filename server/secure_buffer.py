@@ -15,7 +15,7 @@ The server knows each ready client's base version, so an update beyond
 is recovered by SecAgg+, or the buffer aborts: the model stays as it is and the run
 goes on. Per update the server knows only its base version, staleness and factor: the
 stored ``weight`` is s(tau); the example count and the norm stay hidden. The buffer's
-training loss and clipped count come from the sum's stat words (``server.secure_round``),
+training loss and clipped count come from the sum's stat words (``server.secagg_session``),
 the example-weighted mean over the survivors, as a plain buffer's.
 
 With top-k on a shared pattern (``[compression]``) the pattern is the buffer's round's:
@@ -34,13 +34,9 @@ from client.protocol.secagg import SecAggKey, SecAggRecord
 from server.inflight import Task
 from server.reply_buffer import staleness_mean
 from server.rounds import RoundResult, RunContext
-from server.secure_round import (
-    SecureRoundOutcome,
-    SecureSettings,
-    secure_result,
-    secure_round,
-    session_id,
-)
+from server.secagg_session import HeldStart
+from server.secure_aggregation import SecureAggregation, secure_result
+from server.secure_outcome import SecureRoundOutcome
 from server.settle import mismatch
 from server.store import UpdateRecord
 
@@ -49,7 +45,7 @@ class SecureBuffer:
     """Clients holding their trained updates; one secure sum once ``size`` are ready
     (a ``server.reply_buffer.ReplyBuffer``)."""
 
-    def __init__(self, ctx: RunContext, secure: SecureSettings, *, size: int,
+    def __init__(self, ctx: RunContext, secure: SecureAggregation, *, size: int,
                  staleness: Callable[[int], float], max_staleness: int | None) -> None:
         self.ctx = ctx
         self.secure = secure
@@ -133,12 +129,9 @@ class SecureBuffer:
         the clients pick its coordinates of the delta they hold when SETUP comes)."""
         ctx = self.ctx
         dim = ctx.layout.dim
-        self.outcome = secure_round(
-            ctx.grid, nodes=list(self.ready), arrays=None, config=None,
-            settings=self.secure.round_settings(None), weight_by=self.secure.weight_by,
-            dim=dim, session=session_id(run_id), rnd=rnd, timeout=ctx.fed.round_timeout_s,
-            poll=ctx.fed.poll_s, held=self.factors(),
-            sparse=self.secure.pattern(run_id, rnd, dim))
+        start = HeldStart(self.factors(), dim, sparse=self.secure.pattern(run_id, rnd, dim))
+        session = self.secure.session(ctx, run_id, dp=None, timeout=ctx.fed.round_timeout_s)
+        self.outcome = session.run(list(self.ready), rnd, start)
         return self.outcome
 
     def records(self) -> list[UpdateRecord]:

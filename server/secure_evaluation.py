@@ -2,8 +2,8 @@
 
 Under secure aggregation a plain evaluate reply tells the server one client's loss,
 accuracy and example count on its held-out split. With ``secure_evaluation`` the
-evaluation round is a SecAgg+ session instead (``server.secure_round.secure_round`` with
-an ``evaluation`` layout; the client side is ``client.secure_client.SecureClient
+evaluation round is a SecAgg+ session instead (``server.secagg_session`` with an
+``EvalStart``; the client side is ``client.secure_client.SecureClient
 .evaluate``): each client's input is its totals, examples, examples * accuracy and
 examples * loss (and the same for its own model under FedBN) as fixed-point words
 (``privacy.secagg.eval_words``), so the server learns only their sums over the
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from client.protocol.evaluation import evaluate_config
 from privacy.secagg.eval_words import MAX_CLIPPED, STEP, EvalTotals, EvalWords
 from server.rounds import RunContext
+from server.secagg_session import EvalStart, SecAggSession
 from server.secure_outcome import SecureRoundOutcome
-from server.secure_round import secure_round
 from server.spread import COUNT, LOSS, PERSONAL, PREFIX, accuracy_key
 from server.store import EvalRecord
 
@@ -49,7 +49,7 @@ CLIPPED = f"{PREFIX}_clipped"  # figures the clients clipped to the words' range
 
 def evaluation_session_id(run_id: str) -> int:
     """The 63-bit protocol run id of a run's evaluation sessions: never a training
-    session's (``server.secure_round.session_id``), so no message of one is valid in
+    session's (``server.secagg_session.session_id``), so no message of one is valid in
     the other."""
     digest = hashlib.sha256(f"fedring-secure-evaluation:{run_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -104,11 +104,10 @@ def run_secure_evaluation(ctx: RunContext, run_id: str, rnd: int,
     config = evaluate_config(rnd, ctx.state.version, ctx.task_json, ctx.seed,
                              local_buffers=ctx.scenario.aggregation.local_buffers)
     words = EvalWords.for_sum(len(cohort), settings.bits)
-    outcome = secure_round(
-        ctx.grid, nodes=cohort, arrays=ctx.model_record(), config=config, settings=settings,
-        weight_by=ctx.scenario.aggregation.weight_by, dim=0,
-        session=evaluation_session_id(run_id), rnd=rnd, timeout=ctx.fed.round_timeout_s,
-        poll=ctx.fed.poll_s, evaluation=words)
+    session = SecAggSession(ctx.grid, settings, ctx.scenario.aggregation.weight_by,
+                            evaluation_session_id(run_id), ctx.fed.round_timeout_s,
+                            ctx.fed.poll_s)
+    outcome = session.run(cohort, rnd, EvalStart(ctx.model_record(), config, words))
     records = [EvalRecord(r.client_id, r.fate, reason=_reason(r.reason))
                for r in outcome.update_records()]
     totals, metrics = outcome.evaluation, {}

@@ -1,15 +1,19 @@
 """What one secure round produced: :class:`SecureRoundOutcome`, the sum and each
-participant's fate, as ``server.secure_round`` returns it and the rounds record it."""
+participant's fate, as ``server.secagg_session`` returns it; the round's session record
+(``server.rounds.RoundSession``) that the run loop stores and shows."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from privacy.secagg.eval_words import EvalTotals
 from server.store import UpdateRecord
+
+if TYPE_CHECKING:
+    from server.store import Store
 
 
 @dataclass
@@ -50,6 +54,15 @@ class SecureRoundOutcome:
                 "survivors": self.survivors, "rejected": self.rejected,
                 "excluded": self.excluded, "abort_reason": self.abort_reason,
                 "seconds": self.stage_seconds}
+
+    def save(self, store: Store, run_id: str, rnd: int) -> None:
+        """Store the session as round ``rnd``'s (``Store.record_secagg_round``)."""
+        store.record_secagg_round(run_id, round=rnd, **self.session_record())
+
+    def shown(self) -> dict[str, float]:
+        """For the round's line: the survivors and whether the session aborted."""
+        return {"secure_survivors": float(len(self.survivors)),
+                "secure_aborted": float(self.status == "aborted")}
 
     def train_loss(self) -> dict[str, float]:
         """The survivors' example-weighted mean training loss, decoded from the sum's

@@ -3,7 +3,7 @@
 :class:`SyncRounds` is the round source of ``driver.kind = "sync"``: it draws each round's
 cohort among the eligible nodes and hands it to a collector, which runs the round up to
 its ``RoundResult``: :class:`PlainReplies` (each client's update, with a deadline; late
-updates dropped or carried as stale) or ``server.secure_round.SecureSum`` (SecAgg+: the
+updates dropped or carried as stale) or ``server.secure_sync.SecureSum`` (SecAgg+: the
 server learns only the sum).
 """
 

@@ -9,7 +9,7 @@ driver :func:`run_secagg_round`.
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.driver import run_secagg_round
 from privacy.secagg.errors import Aborted, ProtocolError
-from privacy.secagg.params import SecAggConfig, default_k, default_threshold
+from privacy.secagg.params import SessionParams, default_k, default_threshold
 from privacy.secagg.policy import DEFAULT_POLICY, MECHANICS_ONLY, SecAggPolicy
 from privacy.secagg.quantize import (
     check_headroom,
@@ -28,9 +28,9 @@ __all__ = [
     "Aborted",
     "ProtocolError",
     "SecAggClient",
-    "SecAggConfig",
     "SecAggPolicy",
     "SecAggServer",
+    "SessionParams",
     "Stage",
     "Status",
     "check_headroom",

@@ -36,7 +36,7 @@ from privacy.secagg.buffers import POOL
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.graph import regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
-from privacy.secagg.params import SecAggConfig
+from privacy.secagg.params import SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import SHARE_BYTES, split_secret
@@ -72,7 +72,7 @@ class SecAggClient:
         self.expected_run_id = run_id
         self.expected_round_id = round_id
         self.stage = Stage.SETUP
-        self.config: SecAggConfig | None = None
+        self.config: SessionParams | None = None
         self.neighbours: frozenset[int] = frozenset()
         self._input: np.ndarray | None = None
         self._setup_raw = b""  # the SETUP message (restores config and neighbours)
@@ -213,7 +213,7 @@ class SecAggClient:
 
     # --- validation of server messages (no side effects but the returned values) ---
 
-    def _load_setup(self, h: Header, config: SecAggConfig) -> None:
+    def _load_setup(self, h: Header, config: SessionParams) -> None:
         if h.client_id != self.client_id:
             raise ProtocolError(f"SETUP addressed to client {h.client_id}, not {self.client_id}")
         if self.expected_run_id is not None and config.run_id != self.expected_run_id:
@@ -273,7 +273,7 @@ class SecAggClient:
     # --- helpers ------------------------------------------------------------
 
     @property
-    def _cfg(self) -> SecAggConfig:
+    def _cfg(self) -> SessionParams:
         if self.config is None:
             raise ProtocolError("no SETUP received yet")
         return self.config
@@ -405,11 +405,11 @@ class SecAggClient:
         return client
 
 
-_SETUPS: dict[bytes, SecAggConfig] = {}  # recently decoded SETUP bodies
+_SETUPS: dict[bytes, SessionParams] = {}  # recently decoded SETUP bodies
 _MAX_SETUPS = 16
 
 
-def _decode_setup(payload: bytes) -> tuple[Header, SecAggConfig]:
+def _decode_setup(payload: bytes) -> tuple[Header, SessionParams]:
     """:func:`messages.decode_setup`, remembering the configuration of the last few SETUP
     bodies: every client of a round gets the same one, and a session restored on each
     message decodes it again (n ids checked, a position table built)."""

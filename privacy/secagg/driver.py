@@ -14,7 +14,7 @@ import numpy as np
 
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.errors import ProtocolError
-from privacy.secagg.params import SecAggConfig
+from privacy.secagg.params import SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.server import SecAggServer, Status
 from privacy.secagg.stages import Stage
@@ -55,7 +55,7 @@ def run_secagg_round(
     ids = list(ids) if ids is not None else list(range(1, n + 1))
     drop = dict(drop or {})
     dim = int(np.asarray(inputs[0]).size)
-    config = SecAggConfig.create(
+    config = SessionParams.create(
         ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed
     )
     server = SecAggServer(config, policy)

@@ -42,7 +42,7 @@ import numpy as np
 
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.keys import KEY_BYTES, NONCE_BYTES, TAG_BYTES
-from privacy.secagg.params import MAX_CLIENTS, SEED_BYTES, SecAggConfig
+from privacy.secagg.params import MAX_CLIENTS, SEED_BYTES, SessionParams
 from privacy.secagg.shamir import PRIME, SHARE_BYTES
 from privacy.secagg.stages import MsgType
 
@@ -212,13 +212,13 @@ def _unique_peers(pairs: tuple[tuple[int, T], ...]) -> tuple[tuple[int, T], ...]
 # --- SETUP -----------------------------------------------------------------
 
 
-def encode_setup(config: SecAggConfig, recipient: int) -> bytes:
+def encode_setup(config: SessionParams, recipient: int) -> bytes:
     h = Header(MsgType.SETUP, config.run_id, config.round_id, recipient)
     body = _SETUP.pack(config.n, config.k, config.t, config.bits, config.dim, config.seed)
     return _header_bytes(h) + body + struct.pack(f"<{config.n}Q", *config.participants)
 
 
-def decode_setup(data: bytes) -> tuple[Header, SecAggConfig]:
+def decode_setup(data: bytes) -> tuple[Header, SessionParams]:
     h, r = _open(data, MsgType.SETUP)
     n, k, t, bits, dim, seed = r.unpack(_SETUP)
     if n > MAX_CLIENTS or 8 * n != len(r.data) - r.pos:
@@ -226,7 +226,7 @@ def decode_setup(data: bytes) -> tuple[Header, SecAggConfig]:
     ids = r.unpack(struct.Struct(f"<{n}Q"))
     r.end()
     try:
-        config = SecAggConfig(ids, k, t, bits, dim, h.run_id, h.round_id, seed)
+        config = SessionParams(ids, k, t, bits, dim, h.run_id, h.round_id, seed)
     except ValueError as exc:
         raise ProtocolError(f"invalid configuration: {exc}") from None
     return h, config

@@ -23,7 +23,7 @@ gamma), so k grows like (failure_bits*ln 2 + ln n) / D = O(log n), as in Bell et
 Their third condition, that the graph on honest survivors stays connected (so the
 masks of different components do not cancel separately), holds with high
 probability for random regular graphs once (1-delta-gamma)*k = Omega(log n); it is
-not computed here; instead :meth:`SecAggConfig.create` draws its seed until the graph
+not computed here; instead :meth:`SessionParams.create` draws its seed until the graph
 is connected, and the policy (:mod:`privacy.secagg.policy`) refuses a disconnected one.
 When no k < n-1 satisfies 1-2, k = n-1: full SecAgg (Bonawitz et al., CCS 2017).
 ``corrupt_fraction`` defaults to :data:`DEFAULT_CORRUPT_FRACTION` (0.05; why, and what
@@ -141,8 +141,9 @@ def default_k(
 
 
 @dataclass(frozen=True)
-class SecAggConfig:
-    """Everything the server announces in stage 0; identical for all parties.
+class SessionParams:
+    """One SecAgg+ session's public parameters: everything the server announces in stage
+    0; identical for all parties.
 
     ``participants`` are distinct client ids (uint64) in increasing order; the
     graph is built on their positions from the public ``seed``.
@@ -209,7 +210,7 @@ class SecAggConfig:
         run_id: int = 0,
         round_id: int = 0,
         seed: bytes | None = None,
-    ) -> SecAggConfig:
+    ) -> SessionParams:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
         The default k is at least ``MIN_NEIGHBORS`` (3) or the full graph; with k >= 3 a

@@ -43,7 +43,7 @@ from privacy.secagg.params import (
     DEFAULT_CORRUPT_FRACTION,
     MIN_NEIGHBORS,
     MIN_SURVIVORS,
-    SecAggConfig,
+    SessionParams,
 )
 
 
@@ -76,7 +76,7 @@ class SecAggPolicy:
                             min_survivors or self.min_survivors, self.corrupt_fraction,
                             self.require_majority, self.require_connected)
 
-    def violation(self, config: SecAggConfig) -> str | None:
+    def violation(self, config: SessionParams) -> str | None:
         """Why ``config`` is below this policy, or None when it meets it."""
         n, k, t = config.n, config.k, config.t
         if n < self.min_survivors:
@@ -91,7 +91,7 @@ class SecAggPolicy:
             return f"the communication graph (n = {n}, k = {k}) from the seed is disconnected"
         return None
 
-    def check(self, config: SecAggConfig) -> None:
+    def check(self, config: SessionParams) -> None:
         """ProtocolError naming the rule when ``config`` is below this policy."""
         why = self.violation(config)
         if why is not None:

@@ -50,7 +50,7 @@ from privacy.secagg import messages as msg
 from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.graph import component_of, regular_graph
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
-from privacy.secagg.params import SecAggConfig
+from privacy.secagg.params import SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
@@ -67,7 +67,7 @@ class Status(Enum):
 class SecAggServer:
     """One round of secure aggregation, server side."""
 
-    def __init__(self, config: SecAggConfig, policy: SecAggPolicy = DEFAULT_POLICY) -> None:
+    def __init__(self, config: SessionParams, policy: SecAggPolicy = DEFAULT_POLICY) -> None:
         why = policy.violation(config)
         if why is not None:
             raise ValueError(f"session below the secure-aggregation policy: {why}")

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-import server.secure_round  # noqa: F401  the secure rounds deployed below: a broken import fails
+import server.secure_sync  # noqa: F401  the secure rounds deployed below: a broken import fails
 from server.spread import spread
 from server.store import Store
 from simulations import deploy

@@ -28,7 +28,8 @@ from privacy.secagg.quantize import StatWords, dequantize_weighted, max_level
 from server.compression import SharedPattern
 from server.dp import DPController
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import central_dp_clip, secure_round
+from server.secagg_session import SecAggSession, TrainStart
+from server.secure_aggregation import central_dp_clip
 from simulations.apps import build_task
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
@@ -72,11 +73,11 @@ def big_deltas(dim: int, seed: int = 0) -> dict[int, np.ndarray]:
 def run(deltas, settings, *, dp, seed=7, sparse=None, weight_by="uniform"):
     inputs: dict[int, np.ndarray] = {}
     dim = next(iter(deltas.values())).size
-    out = secure_round(InProcessGrid(recording_app(deltas, inputs), len(deltas)),
-                       nodes=list(deltas), arrays=ArrayRecord(),
-                       config=ConfigRecord({ConfigKey.SEED: seed}), settings=settings,
-                       weight_by=weight_by, dim=dim, session=5, rnd=1, timeout=30.0,
-                       poll=0.001, dp=dp, sparse=sparse)
+    session = SecAggSession(InProcessGrid(recording_app(deltas, inputs), len(deltas)), settings,
+                            weight_by, 5, 30.0, 0.001, dp)
+    out = session.run(list(deltas), 1,
+                      TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: seed}), dim,
+                                 sparse=sparse))
     assert out.status == "completed", out.abort_reason
     return out, inputs
 
@@ -179,10 +180,10 @@ def test_a_setup_with_no_room_for_the_rounding_is_refused_by_the_client():
     settings = SecAggScenarioConfig(enabled=True, bits=12, rounding="stochastic", clip_range=C)
     deltas = big_deltas(400_000)  # sqrt(d) / scale = 1.2 > C
     inputs: dict[int, np.ndarray] = {}
-    out = secure_round(InProcessGrid(recording_app(deltas, inputs), N), nodes=list(deltas),
-                       arrays=ArrayRecord(), config=ConfigRecord({ConfigKey.SEED: 7}),
-                       settings=settings, weight_by="uniform", dim=400_000, session=5, rnd=1,
-                       timeout=30.0, poll=0.001, dp=central())
+    session = SecAggSession(InProcessGrid(recording_app(deltas, inputs), N), settings, "uniform",
+                            5, 30.0, 0.001, central())
+    out = session.run(list(deltas), 1,
+                      TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 7}), 400_000))
     assert out.status == "aborted" and not inputs
     assert all("can move an update by more than dp-clip" in e for e in out.errors.values())
 

@@ -27,7 +27,7 @@ from privacy.secagg.stages import MsgType
 from server.config import FederationConfig
 from server.dp import DPController, dp_controller
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from simulations.apps import build_task
 from simulations.config import load_scenario
 from simulations.inprocess import InProcessGrid
@@ -75,10 +75,9 @@ def distributed_controller(mechanism: str, budget: float | None = None) -> DPCon
 def run_round(deltas, dp, settings=None, seen=None, seed=0):
     settings = settings or SecAggScenarioConfig(enabled=True, bits=BITS)
     grid = InProcessGrid(fixed_app(deltas, seen), len(deltas))
-    return secure_round(grid, nodes=list(deltas), arrays=ArrayRecord(),
-                        config=ConfigRecord({ConfigKey.SEED: seed}), settings=settings,
-                        weight_by="uniform", dim=DIM, session=11, rnd=1, timeout=10.0,
-                        poll=0.001, dp=dp)
+    session = SecAggSession(grid, settings, "uniform", 11, 10.0, 0.001, dp)
+    return session.run(list(deltas), 1,
+                       TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: seed}), DIM))
 
 
 def clipped(delta: np.ndarray) -> np.ndarray:

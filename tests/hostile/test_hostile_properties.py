@@ -28,7 +28,7 @@ from client.protocol.errors import WireError
 from client.protocol.keys import MetricKey
 from client.protocol.npy import NPY_STYPE, npy_array, npy_view
 from client.protocol.updates import delta_record, model_record
-from privacy.secagg import ProtocolError, SecAggConfig
+from privacy.secagg import ProtocolError, SessionParams
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
 from server.replies import _decode, _plain_delta_reply, decode_train_reply
@@ -315,7 +315,7 @@ def test_a_metric_the_full_checks_refuse_or_convert_leaves_the_plain_path(value,
 
 # ---------------------------------------------------------------- secure aggregation
 
-CONFIG = SecAggConfig.create([3, 9, 12, 40], 5, bits=20, k=3, t=2, run_id=11, round_id=4)
+CONFIG = SessionParams.create([3, 9, 12, 40], 5, bits=20, k=3, t=2, run_id=11, round_id=4)
 
 
 def _h(kind: MsgType) -> Header:

@@ -1,7 +1,7 @@
 """A server that sends sessions below the secure-aggregation policy: every real ClientApp
 refuses, before training, and the refusal is recorded as a dropout with its reason.
 
-The hostile server is the real secure round (``server.secure_round``) with its own checks
+The hostile server is the real secure round (``server.secagg_session``) with its own checks
 switched off: its settings hand out weak (k, t) and an explicit weak server policy, its
 seed can be forced, and its session can rewrite unmask requests.
 """
@@ -16,14 +16,14 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-import server.secure_round as secure_round_module
+import server.secagg_session as secagg_session_module
 from client.app import MESSAGE_REFUSED, refuse_unusable_messages
 from client.protocol.keys import ConfigKey, MetricKey
 from client.secure_client import MIN_SURVIVORS_KEY, client_policy, register_secagg
-from privacy.secagg import SecAggConfig, SecAggServer, Stage
+from privacy.secagg import SecAggServer, SessionParams, Stage
 from privacy.secagg import messages as m
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from simulations.inprocess import InProcessGrid
 from tests.weak_secagg import WeakSettings
 
@@ -66,10 +66,9 @@ def weak(k: int, t: int) -> WeakSettings:
 
 def run(n: int, settings: SecAggScenarioConfig, app: ClientApp):
     grid = InProcessGrid(app, n)
-    return secure_round(grid, nodes=list(range(1, n + 1)), arrays=ArrayRecord(),
-                        config=ConfigRecord({ConfigKey.SEED: 0}), settings=settings,
-                        weight_by="examples", dim=DIM, session=7, rnd=1, timeout=5.0,
-                        poll=0.001)
+    session = SecAggSession(grid, settings, "examples", 7, 5.0, 0.001)
+    return session.run(list(range(1, n + 1)), 1,
+                       TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0}), DIM))
 
 
 FORGED = [("k = 1, t = 1", 4, 1, 1, None, "k = 1 neighbours is below the minimum 3"),
@@ -84,14 +83,14 @@ FORGED = [("k = 1, t = 1", 4, 1, 1, None, "k = 1 neighbours is below the minimum
 def test_every_client_refuses_a_forged_setup_and_the_server_records_why(
         n, k, t, seed, fragment, monkeypatch):
     if seed is not None:
-        real_create = SecAggConfig.create
+        real_create = SessionParams.create
 
-        class Forced(SecAggConfig):
+        class Forced(SessionParams):
             @classmethod
             def create(cls, *args, **kwargs):
                 return real_create(*args, **{**kwargs, "seed": seed})
 
-        monkeypatch.setattr(secure_round_module, "SecAggConfig", Forced)
+        monkeypatch.setattr(secagg_session_module, "SessionParams", Forced)
     app, trained, replies = app_and_log(n)
     out = run(n, weak(k, t), app)
     assert (out.k, out.t) == (k, t)  # the forged session really went out
@@ -121,7 +120,7 @@ class LyingSession(SecAggServer):
 
 
 def test_every_client_refuses_an_unmask_request_with_too_few_survivors(monkeypatch):
-    monkeypatch.setattr(secure_round_module, "SecAggServer", LyingSession)
+    monkeypatch.setattr(secagg_session_module, "SecAggServer", LyingSession)
     n = 4
     app, trained, replies = app_and_log(n)
     out = run(n, SecAggScenarioConfig(enabled=True), app)  # n = 4: k = 3, t = 2
@@ -161,10 +160,9 @@ def test_a_raised_node_minimum_refuses_what_the_default_accepts():
     app, trained, _ = app_and_log(n)
     grid = InProcessGrid(app, n)
     grid._contexts[2].node_config[MIN_SURVIVORS_KEY] = 5  # node 2 wants sums of 5 or more
-    out = secure_round(grid, nodes=list(range(1, n + 1)), arrays=ArrayRecord(),
-                       config=ConfigRecord({ConfigKey.SEED: 0}),
-                       settings=SecAggScenarioConfig(enabled=True), weight_by="examples",
-                       dim=DIM, session=7, rnd=1, timeout=5.0, poll=0.001)
+    session = SecAggSession(grid, SecAggScenarioConfig(enabled=True), "examples", 7, 5.0, 0.001)
+    out = session.run(list(range(1, n + 1)), 1,
+                      TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0}), DIM))
     assert sorted(node for node, _ in trained) == [1, 3, 4]
     assert out.dropouts["advertise_keys"] == [2]
     record = {r.client_id: r for r in out.update_records()}["2"]

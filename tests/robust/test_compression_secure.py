@@ -34,7 +34,7 @@ from privacy.secagg.messages import (
 from privacy.secagg.quantize import StatWords, error_bound, max_level, max_scale
 from server.compression import SharedPattern
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from server.wire_bytes import ByteCountingGrid
 from simulations.apps import build_task
 from simulations.config import load_scenario
@@ -119,10 +119,10 @@ def sparse_round(inputs, clip: float, contexts: dict[int, Context] | None = None
 
     grid = ByteCountingGrid(InProcessGrid(app, len(inputs)))
     settings = SecAggScenarioConfig(enabled=True, clip_range=clip, max_weight=100.0)
-    out = secure_round(grid, nodes=list(inputs), arrays=ArrayRecord(),
-                       config=ConfigRecord({ConfigKey.SEED: 0}),
-                       settings=settings, weight_by="examples", dim=DIM, session=7, rnd=1,
-                       timeout=5.0, poll=0.001, sparse=pattern or None)
+    session = SecAggSession(grid, settings, "examples", 7, 5.0, 0.001)
+    out = session.run(list(inputs), 1,
+                      TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0}), DIM,
+                                 sparse=pattern or None))
     return out, pattern, grid, seen
 
 
@@ -195,11 +195,10 @@ def test_a_client_refusing_the_pattern_drops_out_and_the_round_goes_on():
     cfg = CompressionConfig(kind="topk", fraction=0.1, shared_pattern=True)
     grid = InProcessGrid(app, N)
     settings = SecAggScenarioConfig(enabled=True, clip_range=4.0, max_weight=100.0)
-    out = secure_round(grid, nodes=list(inputs), arrays=ArrayRecord(),
-                       config=ConfigRecord({ConfigKey.SEED: 0}),
-                       settings=settings, weight_by="examples", dim=DIM, session=7, rnd=1,
-                       timeout=5.0, poll=0.001,
-                       sparse=SharedPattern(cfg).for_round("r", 1, DIM))
+    session = SecAggSession(grid, settings, "examples", 7, 5.0, 0.001)
+    out = session.run(list(inputs), 1,
+                      TrainStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0}), DIM,
+                                 sparse=SharedPattern(cfg).for_round("r", 1, DIM)))
     assert out.status == "completed" and 2 not in out.survivors
     assert "bad 'fedring.compression'" in out.errors[2]
     assert out.dropouts["advertise_keys"] == [2]

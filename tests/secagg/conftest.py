@@ -10,9 +10,9 @@ import pytest
 from privacy.secagg import (
     DEFAULT_POLICY,
     SecAggClient,
-    SecAggConfig,
     SecAggPolicy,
     SecAggServer,
+    SessionParams,
 )
 
 
@@ -23,7 +23,7 @@ class Lockstep:
                  policy: SecAggPolicy = DEFAULT_POLICY, **config_kwargs: object) -> None:
         ids = list(range(1, len(inputs) + 1))
         self.inputs = list(inputs)
-        self.config = SecAggConfig.create(ids, int(inputs[0].size), **config_kwargs)
+        self.config = SessionParams.create(ids, int(inputs[0].size), **config_kwargs)
         self.server = SecAggServer(self.config, policy)
         self.clients = {c: SecAggClient(c, policy=policy) for c in ids}
         for c, x in zip(ids, inputs, strict=True):

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from privacy.secagg import (
     ProtocolError,
     SecAggClient,
-    SecAggConfig,
     SecAggServer,
+    SessionParams,
     Stage,
     Status,
 )
@@ -28,7 +28,7 @@ STAGES = [Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMA
     value=st.integers(0, 255),
 )
 def test_one_corrupted_reply_is_rejected_or_harmless(stage, victim, pos, value):
-    config = SecAggConfig.create(range(1, N + 1), DIM, k=4, t=3)
+    config = SessionParams.create(range(1, N + 1), DIM, k=4, t=3)
     server = SecAggServer(config)
     clients = {c: SecAggClient(c) for c in config.participants}
     for c in clients:

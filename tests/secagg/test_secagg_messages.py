@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from privacy.secagg import ProtocolError, SecAggClient, SecAggConfig, SecAggServer
+from privacy.secagg import ProtocolError, SecAggClient, SecAggServer, SessionParams
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
 
-CONFIG = SecAggConfig.create([3, 9, 12, 40], 5, bits=20, k=3, t=2, run_id=11, round_id=4)
+CONFIG = SessionParams.create([3, 9, 12, 40], 5, bits=20, k=3, t=2, run_id=11, round_id=4)
 
 
 def _h(kind: MsgType, client: int = 9) -> Header:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from privacy.secagg import SecAggConfig, default_k, default_threshold
+from privacy.secagg import SessionParams, default_k, default_threshold
 from privacy.secagg.graph import regular_graph
 from privacy.secagg.params import binomial_tail_at_least, binomial_tail_below
 
@@ -77,11 +77,11 @@ def test_config_validation(kwargs):
     base["seed"] = bytes(32)
     base.update(kwargs)
     with pytest.raises(ValueError):
-        SecAggConfig(**base)
+        SessionParams(**base)
 
 
 def test_config_create_fills_defaults():
-    cfg = SecAggConfig.create(range(100, 0, -1), 7)
+    cfg = SessionParams.create(range(100, 0, -1), 7)
     assert cfg.participants == tuple(range(1, 101))
     assert (cfg.k, cfg.t) == (default_k(100), default_threshold(default_k(100)))
     assert cfg.positions[1] == 0 and len(cfg.seed) == 32

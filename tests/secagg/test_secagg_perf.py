@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from privacy.secagg import SecAggClient, SecAggConfig, SecAggServer, Stage, run_secagg_round
+from privacy.secagg import SecAggClient, SecAggServer, SessionParams, Stage, run_secagg_round
 from privacy.secagg.prg import combine, prg_bound
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_client_cost_vsprg_bound(k):
     inputs = [rng.integers(0, 1 << 32, dim, dtype=np.uint32) for _ in range(n)]
     totals, masking, plain = [], [], []
     for _ in range(3):
-        config = SecAggConfig.create(range(1, n + 1), dim, k=k, t=k // 2 + 1)
+        config = SessionParams.create(range(1, n + 1), dim, k=k, t=k // 2 + 1)
         server = SecAggServer(config)
         clients = {c: SecAggClient(c) for c in config.participants}
         spent = {c: {} for c in clients}

@@ -20,9 +20,9 @@ from privacy.secagg import (
     DEFAULT_POLICY,
     ProtocolError,
     SecAggClient,
-    SecAggConfig,
     SecAggPolicy,
     SecAggServer,
+    SessionParams,
     Stage,
     Status,
     params,
@@ -48,9 +48,9 @@ def components(n: int, k: int, seed: bytes, without: tuple[int, ...] = ()) -> in
     return connected_components(adjacency, directed=False)[0]
 
 
-def forged(n: int, k: int, t: int, seed: bytes = bytes(range(32))) -> SecAggConfig:
+def forged(n: int, k: int, t: int, seed: bytes = bytes(range(32))) -> SessionParams:
     """A structurally valid configuration, whatever the policy says of it."""
-    return SecAggConfig(tuple(range(1, n + 1)), k, t, 32, DIM, 0, 0, seed)
+    return SessionParams(tuple(range(1, n + 1)), k, t, 32, DIM, 0, 0, seed)
 
 
 def test_the_forged_graphs_are_what_the_tests_say():
@@ -90,7 +90,7 @@ def test_the_server_refuses_to_run_a_session_below_policy(config, fragment):
 
 @pytest.mark.parametrize(("n", "k", "t"), [(3, 2, 2), (4, 3, 2), (8, 3, 2), (10, 4, 3)])
 def test_smallest_conforming_setups_are_accepted(n, k, t):
-    config = SecAggConfig.create(range(1, n + 1), DIM, k=k, t=t)
+    config = SessionParams.create(range(1, n + 1), DIM, k=k, t=t)
     assert components(n, k, config.seed) == 1
     for c in config.participants:
         SecAggClient(c).handle(encode_setup(config, c))
@@ -98,7 +98,7 @@ def test_smallest_conforming_setups_are_accepted(n, k, t):
 
 
 def test_a_client_refuses_restoring_a_session_below_its_policy():
-    config = SecAggConfig.create(range(1, 7), DIM, k=4, t=3)
+    config = SessionParams.create(range(1, 7), DIM, k=4, t=3)
     client = SecAggClient(1)
     client.handle(encode_setup(config, 1))
     saved = client.export_state()
@@ -108,14 +108,14 @@ def test_a_client_refuses_restoring_a_session_below_its_policy():
 
 
 def test_a_client_raises_its_own_minimums_and_never_lowers_them():
-    config = SecAggConfig.create(range(1, 11), DIM, k=4, t=3)
+    config = SessionParams.create(range(1, 11), DIM, k=4, t=3)
     strict = DEFAULT_POLICY.raised(min_neighbors=5)
     with pytest.raises(ProtocolError, match="below the minimum 5"):
         SecAggClient(1, policy=strict).handle(encode_setup(config, 1))
     SecAggClient(1).handle(encode_setup(config, 1))  # the default takes k = 4
     with pytest.raises(ProtocolError, match="3 participants can never give the 4"):
         SecAggClient(1, policy=DEFAULT_POLICY.raised(min_survivors=4)).handle(
-            encode_setup(SecAggConfig.create([1, 2, 3], DIM), 1))
+            encode_setup(SessionParams.create([1, 2, 3], DIM), 1))
     for lower in ({"min_neighbors": 2}, {"min_survivors": 2}, {"min_survivors": True}):
         with pytest.raises(ValueError, match="can only be raised"):
             DEFAULT_POLICY.raised(**lower)
@@ -124,16 +124,16 @@ def test_a_client_raises_its_own_minimums_and_never_lowers_them():
 def test_create_draws_again_until_the_graph_is_connected(monkeypatch):
     draws = iter([DISCONNECTED_SEED, DISCONNECTED_SEED, CUT_SEED[:16] * 2])
     monkeypatch.setattr(params.os, "urandom", lambda size: next(draws))
-    config = SecAggConfig.create(range(1, 9), DIM, k=3, t=2)
+    config = SessionParams.create(range(1, 9), DIM, k=3, t=2)
     assert config.seed == CUT_SEED[:16] * 2
     assert components(8, 3, config.seed) == 1
-    kept = SecAggConfig.create(range(1, 9), DIM, k=3, t=2, seed=DISCONNECTED_SEED)
+    kept = SessionParams.create(range(1, 9), DIM, k=3, t=2, seed=DISCONNECTED_SEED)
     assert kept.seed == DISCONNECTED_SEED  # an explicit seed is kept (and then refused)
 
 
 @pytest.mark.parametrize("n", [3, 4, 6, 10, 60])
 def test_default_k_and_t_meet_the_policy(n):
-    config = SecAggConfig.create(range(1, n + 1), DIM)
+    config = SessionParams.create(range(1, n + 1), DIM)
     assert config.k >= 3 or config.k == n - 1
     assert 2 * config.t > config.k
     assert DEFAULT_POLICY.violation(config) is None
@@ -286,7 +286,7 @@ def test_a_client_given_fewer_than_t_valid_shares_refuses(lockstep, make_inputs)
 def test_every_policy_minimum_is_enforced_exactly_at_its_edge():
     for k, t, ok in ((4, 2, False), (4, 3, True), (5, 2, False), (5, 3, True), (6, 3, False),
                      (6, 4, True)):
-        config = SecAggConfig.create(range(1, 11), DIM, k=k, t=t)
+        config = SessionParams.create(range(1, 11), DIM, k=k, t=t)
         assert (DEFAULT_POLICY.violation(config) is None) is ok, (k, t)
     assert DEFAULT_POLICY.survivors_violation(3) is None
     assert DEFAULT_POLICY.survivors_violation(2) is not None
@@ -316,7 +316,7 @@ def test_the_default_corrupt_fraction_feeds_bells_bound_at_n_100():
     expected = next(k for k in range(3, 99) if meets(100, k, 0.05))
     assert expected == 34 and not meets(100, 31, 0.05)  # 31: the bound at gamma = 0
     assert default_k(100) == expected
-    assert SecAggConfig.create(range(1, 101), DIM).k == expected
+    assert SessionParams.create(range(1, 101), DIM).k == expected
     assert default_k(100, corrupt_fraction=0.1) == next(k for k in range(3, 99)
                                                          if meets(100, k, 0.1))
 

@@ -179,10 +179,10 @@ def test_dropped_at_masking_needs_its_key_not_its_seed(lockstep, make_inputs, ex
 
 
 def test_client_state_survives_export_between_messages(make_inputs, exact_sum):
-    from privacy.secagg import SecAggConfig, SecAggServer
+    from privacy.secagg import SecAggServer, SessionParams
 
     inputs = make_inputs(5, 100, 20)
-    config = SecAggConfig.create([1, 2, 3, 4, 5], 100, bits=20, k=4, t=3, run_id=7, round_id=3)
+    config = SessionParams.create([1, 2, 3, 4, 5], 100, bits=20, k=4, t=3, run_id=7, round_id=3)
     server = SecAggServer(config)
     states = {c: SecAggClient(c, run_id=7, round_id=3).export_state() for c in range(1, 6)}
     outbox = server.start()
@@ -202,10 +202,10 @@ def test_client_state_survives_export_between_messages(make_inputs, exact_sum):
 
 
 def test_client_refuses_out_of_order_and_setup_of_other_round(make_inputs):
-    from privacy.secagg import ProtocolError, SecAggConfig
+    from privacy.secagg import ProtocolError, SessionParams
     from privacy.secagg.messages import encode_setup
 
-    config = SecAggConfig.create([1, 2, 3], 10, k=2, t=2, round_id=5)
+    config = SessionParams.create([1, 2, 3], 10, k=2, t=2, round_id=5)
     with pytest.raises(ProtocolError, match="round 5, expected 4"):
         SecAggClient(1, round_id=4).handle(encode_setup(config, 1))
     with pytest.raises(ProtocolError, match="addressed to client 2"):
@@ -219,11 +219,11 @@ def test_client_refuses_out_of_order_and_setup_of_other_round(make_inputs):
 def test_restored_sessions_need_no_key_agreement_and_keep_no_private_key(
     make_inputs, exact_sum, monkeypatch
 ):
-    from privacy.secagg import SecAggConfig, SecAggServer
+    from privacy.secagg import SecAggServer, SessionParams
     from privacy.secagg import keys as kx
 
     inputs = make_inputs(5, 100, 32)
-    config = SecAggConfig.create([1, 2, 3, 4, 5], 100, k=4, t=3, run_id=2, round_id=1)
+    config = SessionParams.create([1, 2, 3, 4, 5], 100, k=4, t=3, run_id=2, round_id=1)
     server = SecAggServer(config)
     states = {c: SecAggClient(c).export_state() for c in range(1, 6)}
     private: dict[int, list[bytes]] = {}
@@ -253,10 +253,10 @@ def test_restored_sessions_need_no_key_agreement_and_keep_no_private_key(
 
 
 def test_client_state_must_match_its_stage():
-    from privacy.secagg import ProtocolError, SecAggConfig
+    from privacy.secagg import ProtocolError, SessionParams
     from privacy.secagg.messages import encode_setup
 
-    config = SecAggConfig.create([1, 2, 3], 10, k=2, t=2)
+    config = SessionParams.create([1, 2, 3], 10, k=2, t=2)
     client = SecAggClient(1)
     client.handle(encode_setup(config, 1))
     state = bytearray(client.export_state())

@@ -11,7 +11,7 @@ from secagg_helpers import empty_model, synthetic_app, synthetic_inputs
 from client.protocol.secagg import SecAggKey, SecAggRecord
 from privacy.secagg.quantize import error_bound
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from simulations.inprocess import InProcessGrid
 
 N, DIM = 5, 70_000  # inputs and replies of 280 kB: large enough to be pooled
@@ -37,9 +37,8 @@ def test_rounds_in_process_reuse_buffers_but_never_one_still_referenced():
                 for w, (d, _) in zip(weights, inputs.values(), strict=True))
     for rnd in (1, 2, 3):
         arrays, config = empty_model()
-        out = secure_round(grid, nodes=list(inputs), arrays=arrays, config=config,
-                           settings=settings, weight_by="examples", dim=DIM, session=3, rnd=rnd,
-                           timeout=5.0, poll=0.001)
+        session = SecAggSession(grid, settings, "examples", 3, 5.0, 0.001)
+        out = session.run(list(inputs), rnd, TrainStart(arrays, config, DIM))
         assert out.status == "completed", out.abort_reason
         bound = error_bound(N, out.scale, "nearest") * 1.01
         np.testing.assert_allclose(out.weighted_sum, total, rtol=0, atol=bound)

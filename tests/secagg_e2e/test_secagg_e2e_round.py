@@ -13,7 +13,7 @@ from privacy.secagg.messages import read_header
 from privacy.secagg.quantize import error_bound
 from privacy.secagg.stages import MsgType
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from simulations.inprocess import InProcessGrid
 
 N, DIM, ROUND = 8, 1000, 1
@@ -23,9 +23,8 @@ def run(inputs, settings, *, app=None, weight_by="examples", seed=0):
     arrays, config = empty_model()
     config["fedring.seed"] = seed
     grid = InProcessGrid(app or synthetic_app(inputs), len(inputs))
-    return secure_round(grid, nodes=list(inputs), arrays=arrays, config=config,
-                        settings=settings, weight_by=weight_by, dim=DIM, session=7, rnd=ROUND,
-                        timeout=5.0, poll=0.001)
+    session = SecAggSession(grid, settings, weight_by, 7, 5.0, 0.001)
+    return session.run(list(inputs), ROUND, TrainStart(arrays, config, DIM))
 
 
 def expected_sum(inputs, nodes, clip, cap, weight_by="examples"):

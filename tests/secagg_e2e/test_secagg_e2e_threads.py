@@ -16,7 +16,7 @@ from privacy.secagg.prg import PARALLEL_WORDS
 from privacy.secagg.quantize import PARALLEL_COORDS
 from privacy.secagg.workers import default_threads, worker_cpu_seconds
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_round import secure_round
+from server.secagg_session import SecAggSession, TrainStart
 from simulations.inprocess import InProcessGrid
 from simulations.silo_engine import ConcurrentGrid
 
@@ -39,9 +39,8 @@ def _round(inputs, threads: int, rounding: str):
     grid = InProcessGrid(timed, N, mask_threads=threads)  # type: ignore[arg-type]
     settings = SecAggScenarioConfig(enabled=True, clip_range=1.0, max_weight=100.0,
                                     rounding=rounding)
-    out = secure_round(grid, nodes=list(inputs), arrays=arrays, config=config,
-                       settings=settings, weight_by="examples", dim=DIM, session=3, rnd=1,
-                       timeout=30.0, poll=0.001)
+    session = SecAggSession(grid, settings, "examples", 3, 30.0, 0.001)
+    out = session.run(list(inputs), 1, TrainStart(arrays, config, DIM))
     assert out.status == "completed", out.abort_reason
     return out, sum(client_workers)
 

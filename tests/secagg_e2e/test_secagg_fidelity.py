@@ -26,8 +26,9 @@ from server import secure_range
 from server.app import make_server_app
 from server.reporter import LogReporter, round_line
 from server.secagg_config import AUTO_START_RANGE, SecAggScenarioConfig
+from server.secagg_session import SecAggSession, TrainStart
+from server.secure_aggregation import SecureAggregation
 from server.secure_range import GROW, SHRINK
-from server.secure_round import SecureSettings, secure_round
 from server.store import Store
 from simulations.apps import build_task, client_app, config_from_run_config
 from simulations.config import load_scenario
@@ -233,7 +234,7 @@ def test_the_auto_range_grows_with_the_updates_and_the_sum_still_decodes_exactly
     monkeypatch.setattr(secure_range, "MARGIN", margin)
     n, dim, cap = 5, 40, 100.0
     cfg = SecAggScenarioConfig(enabled=True, neighbors="full", max_weight=cap)
-    secure = SecureSettings(cfg, combine="mean", weight_by="examples", max_clients=n)
+    secure = SecureAggregation(cfg, combine="mean", weight_by="examples", max_clients=n)
     arrays, config = empty_model()
     ranges, scales = [], []
     # round 1's mean is 400 everywhere (range margin * 400 next); round 2's deltas of 1500
@@ -242,10 +243,9 @@ def test_the_auto_range_grows_with_the_updates_and_the_sum_still_decodes_exactly
     for rnd, size, signs in ((1, 400.0, "+++++"), (2, 1500.0, "-+-+-"), (3, 20000.0, "++--+")):
         inputs = {node: (np.full(dim, size * (1 if signs[node - 1] == "+" else -1),
                                  np.float32), 10 * node) for node in range(1, n + 1)}
-        out = secure_round(InProcessGrid(synthetic_app(inputs), n), nodes=list(inputs),
-                           arrays=arrays, config=config, settings=secure.round_settings(None),
-                           weight_by="examples", dim=dim, session=1, rnd=rnd, timeout=30,
-                           poll=0.01)
+        session = SecAggSession(InProcessGrid(synthetic_app(inputs), n),
+                                secure.round_settings(None), "examples", 1, 30, 0.01)
+        out = session.run(list(inputs), rnd, TrainStart(arrays, config, dim))
         assert out.status == "completed"
         r = out.clip_range
         assert out.scale == max_scale(n, cfg.bits, r, cap)  # the headroom redone for r
@@ -272,9 +272,8 @@ def test_synthetic_clients_clip_and_report_through_the_sum_only():
     inputs = synthetic_inputs(n, dim)  # some coordinates beyond 1
     cfg = SecAggScenarioConfig(enabled=True, clip_range=1.0, neighbors="full")
     arrays, config = empty_model()
-    out = secure_round(InProcessGrid(synthetic_app(inputs), n), nodes=list(inputs),
-                       arrays=arrays, config=config, settings=cfg, weight_by="examples",
-                       dim=dim, session=1, rnd=1, timeout=30, poll=0.01)
+    session = SecAggSession(InProcessGrid(synthetic_app(inputs), n), cfg, "examples", 1, 30, 0.01)
+    out = session.run(list(inputs), 1, TrainStart(arrays, config, dim))
     assert out.status == "completed"
     assert out.clipped == sum(int(np.count_nonzero(np.abs(d) > 1.0)) for d, _ in
                               inputs.values()) > 0

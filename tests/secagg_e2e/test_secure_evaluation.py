@@ -39,8 +39,8 @@ from server.reporter import LogReporter
 from server.rounds import RunContext
 from server.scenario import ServerScenario
 from server.secagg_config import SecAggScenarioConfig
+from server.secagg_session import EvalStart, SecAggSession
 from server.secure_evaluation import CLIPPED, run_secure_evaluation, secure_evaluate
-from server.secure_round import secure_round
 from server.store import Store
 from simulations.apps import build_task, client_app, spec_from_run_config
 from simulations.config import load_scenario
@@ -256,10 +256,11 @@ def test_every_client_refuses_an_evaluation_session_below_policy_before_evaluati
     evaluated: list[int] = []
     settings = WeakSettings(enabled=True)
     object.__setattr__(settings, "forced", (k, t))
-    out = secure_round(InProcessGrid(counting_app(evaluated), n), nodes=list(range(1, n + 1)),
-                       arrays=ArrayRecord(), config=ConfigRecord({ConfigKey.SEED: 0}),
-                       settings=settings, weight_by="examples", dim=0, session=9, rnd=1,
-                       timeout=5.0, poll=0.001, evaluation=EvalWords.for_sum(n, 32))
+    session = SecAggSession(InProcessGrid(counting_app(evaluated), n), settings, "examples", 9,
+                            5.0, 0.001)
+    out = session.run(list(range(1, n + 1)), 1,
+                      EvalStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0}),
+                                EvalWords.for_sum(n, 32)))
     assert (out.k, out.t) == (k, t) and out.status == "aborted"
     assert evaluated == []  # refused before evaluating
     for record in out.update_records():
@@ -448,11 +449,11 @@ def test_clients_refuse_a_layout_whose_sum_could_wrap(level, refused):
     client refuses before evaluating; one less and the session completes."""
     evaluated: list[int] = []
     n = 4
-    out = secure_round(InProcessGrid(counting_app(evaluated), n), nodes=list(range(1, n + 1)),
-                       arrays=ArrayRecord(), config=ConfigRecord({ConfigKey.SEED: 0}),
-                       settings=SecAggScenarioConfig(enabled=True), weight_by="examples",
-                       dim=0, session=9, rnd=1, timeout=5.0, poll=0.001,
-                       evaluation=EvalWords(level=level))
+    session = SecAggSession(InProcessGrid(counting_app(evaluated), n),
+                            SecAggScenarioConfig(enabled=True), "examples", 9, 5.0, 0.001)
+    out = session.run(list(range(1, n + 1)), 1,
+                      EvalStart(ArrayRecord(), ConfigRecord({ConfigKey.SEED: 0}),
+                                EvalWords(level=level)))
     if refused:
         assert out.status == "aborted" and evaluated == []
         assert all("can wrap a 32-bit sum" in r.reason for r in out.update_records())
