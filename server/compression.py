@@ -12,7 +12,7 @@ Validate stage. With secure aggregation the server sees only a masked sum, so:
   and ``secagg.bits`` to the smallest modulus that gives each client at least
   ``2^compression.bits`` levels for a round's clients; the secure path keeps at least 8
   bits, so ``compression.bits`` must be >= 8 there. With central DP each client clips
-  below C by the rounding's worst case (``server.secure_round.central_dp_clip``), which
+  below C by the rounding's worst case (``server.secure_aggregation.central_dp_clip``), which
   fails at start, naming ``compression.bits``, when a model is too large for the levels.
 - ``kind = "topk"`` with ``shared_pattern = true`` (rand-k on a pattern derived from run
   and round) lines up: every client of a secure round (or of a secure FedBuff buffer)
@@ -47,7 +47,7 @@ def compression_config(config: Mapping[str, Any]) -> CompressionConfig:
 
 def session_number(run_id: str) -> int:
     """A 63-bit number naming a store run for compression (seeds the shared pattern,
-    binds residuals). Not the SecAgg+ protocol run id (``server.secure_round.session_id``):
+    binds residuals). Not the SecAgg+ protocol run id (``server.secagg_session.session_id``):
     it hashes the run id under its own label, so the two differ for every run."""
     return int.from_bytes(hashlib.sha256(f"compression:{run_id}".encode()).digest()[:8],
                           "little") >> 1

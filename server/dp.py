@@ -12,7 +12,7 @@ the aggregation pipeline:
   server only accounts, per client, for the rounds it could have taken part in;
 - central DP under secure aggregation: each client clips its own delta below C by its
   rounding's worst case, so what it adds to the decoded sum stays within C (the server
-  never sees one; ``server.secure_round.central_dp_clip``), the secure sum is noised by
+  never sees one; ``server.secure_aggregation.central_dp_clip``), the secure sum is noised by
   ``CentralNoise`` as above;
 - distributed DP (secure aggregation only): :meth:`DPController.plan_distributed` fixes
   the integer scale and noise for the model's size and ``[secagg] bits`` when the run
