@@ -508,3 +508,48 @@ def test_federated_eval_quick() -> None:
     assert cost["met"] is (cost["eval_over_train_median"] < 0.1)
     fidelity = default["targets"]["fidelity"]
     assert fidelity["largest_difference"] == abs(row["difference"])
+
+
+PACKAGES = ("aggregation", "benchmarks", "client", "privacy", "server", "simulations")
+
+
+@pytest.mark.slow
+def test_before_after_quick(tmp_path: Path) -> None:
+    """Alternates two checkouts (this one and a copy of its packages) and pairs every
+    figure; each runs its own packages, not the installed checkout's."""
+    import shutil
+
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    result = run_quick("before_after.py", timeout=300, extra=("--baseline", str(tmp_path)))
+    assert result["benchmark"] == "before_after" and result["reps"] == 1
+    assert result["baseline"] == str(tmp_path.resolve()) and result["after"] == str(ROOT)
+    figures = result["figures"]
+    assert any(k.startswith("simulation N=4 ") for k in figures)
+    assert any(k.startswith("secagg N=") and k.endswith("round_s") for k in figures)
+    for key, f in figures.items():
+        assert len(f["before_all"]) == len(f["after_all"]) == 1, key
+        if "overhead" not in key:  # an overhead is a difference: it may be below 0
+            assert positive(f["before"]) and positive(f["after"]), key
+            assert f["after_over_before"] == pytest.approx(f["after"] / f["before"])
+
+
+def test_before_after_refuses_a_folder_that_is_no_checkout(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "before_after.py"),
+                          "--quick", "--baseline", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "not a fedring checkout" in out.stderr
+
+
+def test_before_after_refuses_a_checkout_whose_packages_come_from_elsewhere(
+        tmp_path: Path) -> None:
+    """A folder with the scripts but not the packages would measure another checkout."""
+    import shutil
+
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "before_after.py"),
+                          "--quick", "--baseline", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "would import fedring from" in out.stderr
