@@ -12,7 +12,11 @@
 - ``node-I.auth``/``node-I.auth.pub``: the SuperNode's authentication key pair (ECDSA
   P-384, OpenSSH format): ``flower-supernode --auth-supernode-private-key node-I.auth``
   on the node, ``flwr supernode register node-I.auth.pub <federation>`` by the operator
-  of a SuperLink started with ``--enable-supernode-auth``.
+  of a SuperLink started with ``--enable-supernode-auth``;
+- ``node-I.secagg``: the node's SecAgg+ identity key (Ed25519, PEM; node config
+  ``secagg-identity-key``), which signs its key advertisements against a server that lies;
+- ``secagg-trusted-keys.txt``: every node's identity public key, one hex per line (node
+  config ``secagg-trusted-keys``), which the operator gives to every node.
 
 Development only: the CA key sits next to the certificates and nothing is revoked.
 """
@@ -30,8 +34,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from privacy.secagg.identity import Identity, TrustedKeys
+
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
 VALID_DAYS = 365
+TRUSTED_KEYS_FILE = "secagg-trusted-keys.txt"
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,8 @@ class Material:
     server_key: Path
     node_certs: list[tuple[Path, Path]]
     auth_keys: list[tuple[Path, Path]]
+    secagg_keys: list[Path]  # node-I.secagg, the SecAgg+ identity keys
+    secagg_trusted: Path | None  # secagg-trusted-keys.txt (None without nodes)
 
 
 def _name(common_name: str) -> x509.Name:
@@ -149,9 +158,22 @@ def public_key_pem(public_key_path: Path) -> bytes:
                             serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
+def write_secagg_keys(out: Path, nodes: int) -> tuple[list[Path], Path | None]:
+    """Write ``node-I.secagg`` per node and, with nodes, ``secagg-trusted-keys.txt``
+    listing all their public keys; returns the paths."""
+    identities = [Identity.generate() for _ in range(nodes)]
+    keys = [_write(out / f"node-{i}.secagg", identity.to_pem(), private=True)
+            for i, identity in enumerate(identities)]
+    if not identities:
+        return keys, None
+    trusted = TrustedKeys(identity.public for identity in identities)
+    return keys, _write(out / TRUSTED_KEYS_FILE, trusted.to_text().encode())
+
+
 def write_all(out: Path, *, nodes: int, hosts: Sequence[str] = DEFAULT_HOSTS,
               node_hosts: Sequence[str] = DEFAULT_HOSTS, days: int = VALID_DAYS) -> Material:
-    """Write the CA, the SuperLink certificate, and per-node certificates and auth keys."""
+    """Write the CA, the SuperLink certificate, per-node certificates, auth keys and
+    SecAgg+ identity keys, and the trusted-keys file."""
     if nodes < 0:
         raise ValueError(f"nodes must be >= 0, got {nodes}")
     out = Path(out)
@@ -167,5 +189,7 @@ def write_all(out: Path, *, nodes: int, hosts: Sequence[str] = DEFAULT_HOSTS,
         node_certs.append((_write(out / f"node-{i}.pem", _pem_cert(cert)),
                            _write(out / f"node-{i}.key", _pem_key(key), private=True)))
         auth_keys.append(write_auth_key(out, f"node-{i}.auth"))
+    secagg_keys, secagg_trusted = write_secagg_keys(out, nodes)
     return Material(ca=ca, server_cert=server_cert, server_key=server_key,
-                    node_certs=node_certs, auth_keys=auth_keys)
+                    node_certs=node_certs, auth_keys=auth_keys, secagg_keys=secagg_keys,
+                    secagg_trusted=secagg_trusted)

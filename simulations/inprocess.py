@@ -35,6 +35,7 @@ from client.protocol.flower_compat import (
 from client.protocol.keys import NodeConfigKey
 from privacy.secagg.workers import default_threads
 from simulations.module_task import TaskCodeError
+from simulations.secagg_pki import SimulatedPKI
 
 CLIENT_ERROR = 1  # Error code carried by replies of a ClientApp that raised
 CohortHook = Callable[[list[tuple[Message, Context]]], None]
@@ -68,11 +69,14 @@ class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, *, run_id: int = 1,
                  run_config: dict[str, Any] | None = None,
                  mask_threads: int | None = None,
-                 cohort_hook: CohortHook | None = None) -> None:
+                 cohort_hook: CohortHook | None = None,
+                 pki: SimulatedPKI | None = None) -> None:
         """``mask_threads``: the nodes' ``mask-threads`` (default: 1 if nodes run at once,
         else the cores this process may use). ``cohort_hook``: called with every
         (message, context) a pull is about to deliver, before the first is delivered, so
-        that it can train them together (``client.vectorized``); it must not fail."""
+        that it can train them together (``client.vectorized``); it must not fail.
+        ``pki``: a SecAgg+ identity per node in its node config (``simulations.secagg_pki``;
+        default none)."""
         if num_nodes < 1:
             raise ValueError(f"the in-process engine needs at least one node, got {num_nodes}")
         self._client_app = client_app
@@ -85,7 +89,8 @@ class InProcessGrid(Grid):
                              node_config={NodeConfigKey.PARTITION_ID: node_id - 1,
                                           "num-partitions": num_nodes,
                                           NodeConfigKey.IN_PROCESS: True,
-                                          NodeConfigKey.MASK_THREADS: mask_threads},
+                                          NodeConfigKey.MASK_THREADS: mask_threads,
+                                          **(pki.node_config(node_id - 1) if pki else {})},
                              state=RecordDict(), run_config=dict(run_config or {}))
             for node_id in range(1, num_nodes + 1)
         }

@@ -56,3 +56,8 @@ class NodeConfigKey(Names):
     NUM_PARTITIONS = "num-partitions"  # and the number of partitions
     IN_PROCESS = "fedring.in-process"  # replies stay in this process (in-process engine)
     MASK_THREADS = "mask-threads"  # threads a secure client quantizes and masks with
+    SECAGG_IDENTITY_KEY = "secagg-identity-key"  # path: the node's Ed25519 identity (PEM)
+    SECAGG_TRUSTED_KEYS = "secagg-trusted-keys"  # path: the peers' identity keys, hex lines
+    # A simulated run's PKI hands the same material over in memory (client.secagg_identity)
+    SECAGG_IDENTITY_PEM = "fedring.secagg-identity-pem"  # the identity key's PEM text
+    SECAGG_TRUSTED_TEXT = "fedring.secagg-trusted-text"  # the trusted-keys file's text

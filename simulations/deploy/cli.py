@@ -46,8 +46,12 @@ def cmd_certs(args: Any) -> int:
         raise ValueError(f"cannot write the certificates to {args.out}: {exc.strerror} "
                          f"({exc.filename}); give --out a directory you can write") from None
     print(f"CA {m.ca}\nSuperLink {m.server_cert} {m.server_key} (for {', '.join(hosts)})")
-    for (cert, key), (auth, pub) in zip(m.node_certs, m.auth_keys, strict=True):
-        print(f"SuperNode {cert} {key}; auth key {auth} (register {pub})")
+    for (cert, key), (auth, pub), secagg in zip(m.node_certs, m.auth_keys, m.secagg_keys,
+                                                strict=True):
+        print(f"SuperNode {cert} {key}; auth key {auth} (register {pub}); "
+              f"SecAgg+ identity {secagg}")
+    if m.secagg_trusted is not None:
+        print(f"SecAgg+ trusted keys {m.secagg_trusted} (give to every SuperNode)")
     return 0
 
 

@@ -74,11 +74,29 @@ def superlink_command(port: int, *, certs: Path | None, auth: bool) -> list[str]
     return [*cmd, "--enable-supernode-auth"] if auth else cmd
 
 
+def node_config(i: int, partitions: int, certs: Path | None) -> str:
+    """SuperNode ``i``'s ``--node-config``: its partition and, when ``certs`` holds them,
+    its SecAgg+ identity key and the federation's trusted keys (``fedring certs``)."""
+    from simulations.certs import TRUSTED_KEYS_FILE
+
+    items = [f"partition-id={i}", f"num-partitions={partitions}"]
+    if certs is None:
+        return " ".join(items)
+    identity, trusted = certs / f"node-{i}.secagg", certs / TRUSTED_KEYS_FILE
+    if identity.is_file() and trusted.is_file():
+        for key, path in (("secagg-identity-key", identity), ("secagg-trusted-keys", trusted)):
+            if "'" in str(path):  # a TOML literal string cannot hold one
+                raise ValueError(f"{path}: a node config path cannot contain ', use a --dir "
+                                 "without one")
+            items.append(f"{key}='{path}'")
+    return " ".join(items)
+
+
 def supernode_command(i: int, superlink: str, runtime_port: int, opts: Options,
                       certs: Path | None) -> list[str]:
     partitions = opts.partitions or opts.nodes
     args = ["--superlink", superlink, "--host", HOST, "--port", str(runtime_port),
-            "--node-config", f"partition-id={i} num-partitions={partitions}"]
+            "--node-config", node_config(i, partitions, certs)]
     if certs is None:
         args.append("--insecure")
     else:

@@ -208,7 +208,7 @@ def test_cli_parses_deploy_and_certs(tmp_path: Path) -> None:
     assert args.func(args) == 0
     assert {p.name for p in tmp_path.iterdir()} == {
         "ca.pem", "ca.key", "server.pem", "server.key", "node-0.pem", "node-0.key",
-        "node-0.auth", "node-0.auth.pub"}
+        "node-0.auth", "node-0.auth.pub", "node-0.secagg", "secagg-trusted-keys.txt"}
 
 
 def test_device_profile_is_memory_light() -> None:
