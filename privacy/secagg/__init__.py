@@ -3,13 +3,23 @@
 Two transport-agnostic state machines exchanging byte messages:
 :class:`SecAggServer` (one round, server side) and :class:`SecAggClient`, plus
 fixed-point quantization (:mod:`privacy.secagg.quantize`) and an in-process
-driver :func:`run_secagg_round`.
+driver :func:`run_secagg_round`. ``SessionParams.security`` picks the threat model:
+"semi_honest" (the default) or "malicious" (:mod:`privacy.secagg.malicious`: signed key
+advertisements with :mod:`privacy.secagg.identity`, a graph derived from them, a
+consistency check before unmasking).
 """
 
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.driver import run_secagg_round
 from privacy.secagg.errors import Aborted, ProtocolError
-from privacy.secagg.params import SessionParams, default_k, default_threshold
+from privacy.secagg.params import (
+    MALICIOUS,
+    SECURITY_MODES,
+    SEMI_HONEST,
+    SessionParams,
+    default_k,
+    default_threshold,
+)
 from privacy.secagg.policy import DEFAULT_POLICY, MECHANICS_ONLY, SecAggPolicy
 from privacy.secagg.quantize import (
     check_headroom,
@@ -24,7 +34,10 @@ from privacy.secagg.stages import Stage
 
 __all__ = [
     "DEFAULT_POLICY",
+    "MALICIOUS",
     "MECHANICS_ONLY",
+    "SECURITY_MODES",
+    "SEMI_HONEST",
     "Aborted",
     "ProtocolError",
     "SecAggClient",

@@ -20,7 +20,13 @@ keeps only what the next stages need, already derived: after PUBLIC_KEYS the two
 private keys are gone and each neighbour's share-decryption key and pair-mask seed
 are kept instead, so restoring a session does no key agreement or derivation.
 Threat model: honest-but-curious server and authenticated client-server channels
-(the transport's job); no signatures or consistency round (Bonawitz's active variant).
+(the transport's job). In the malicious mode (``security="malicious"``: a client built
+with an :class:`~privacy.secagg.identity.Identity` and the
+:class:`~privacy.secagg.identity.TrustedKeys` it accepts) it signs its advertisement,
+checks its peers' and the derived graph, signs the survivor set in a consistency check
+(CONSISTENCY_CHECK -> CONSISTENCY_SIGNATURE) and unmasks only for a quorum of signatures
+on that set (:mod:`privacy.secagg.malicious`); a client that requires it refuses a
+semi-honest SETUP.
 """
 
 from __future__ import annotations
@@ -31,24 +37,27 @@ import struct
 import numpy as np
 
 from privacy.secagg import keys as kx
+from privacy.secagg import malicious as mal
 from privacy.secagg import messages as msg
 from privacy.secagg.buffers import POOL
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.graph import regular_graph
+from privacy.secagg.identity import Identity, TrustedKeys
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
-from privacy.secagg.params import SessionParams
+from privacy.secagg.params import MALICIOUS, SECURITY_MODES, SEMI_HONEST, SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import SHARE_BYTES, split_secret
 from privacy.secagg.stages import Stage
 
 _STATE_MAGIC = b"SC"
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 _STATE_HEAD = struct.Struct("<2sBBQBQI")
 _BLOB = struct.Struct("<I")
 _PEER = struct.Struct(f"<Q{kx.KEY_BYTES}s{kx.KEY_BYTES}s")  # id, share key to us, pair seed
 _HELD = struct.Struct(f"<Q{SHARE_BYTES}s{SHARE_BYTES}s")  # id, b-share, sk-share
 _REVEALED = struct.Struct("<QB")
+_LISTED = struct.Struct(f"<Q{kx.KEY_BYTES}s")  # id, advertisement digest
 
 
 class SecAggClient:
@@ -59,16 +68,34 @@ class SecAggClient:
     ``stage`` is the stage of the last message this client sent (SETUP: none yet).
     ``threads``: how many threads expand the masks (a local resource, not kept in the
     state; the masked vector is the same whatever it is). ``policy``: this client's own
-    minimums (never taken from the server; not kept in the state either).
+    minimums (never taken from the server; not kept in the state either). ``identity`` and
+    ``trusted``: its signing key and the peers' keys it accepts, needed for a malicious
+    SETUP; ``security``: the least it accepts ("malicious" refuses a semi-honest SETUP).
+    Like the policy, these are the client's own and passed again to :meth:`from_state`.
     """
 
     def __init__(
         self, client_id: int, *, run_id: int | None = None, round_id: int | None = None,
         threads: int = 1, policy: SecAggPolicy = DEFAULT_POLICY,
+        identity: Identity | None = None, trusted: TrustedKeys | None = None,
+        security: str = SEMI_HONEST,
     ) -> None:
+        if security not in SECURITY_MODES:
+            raise ValueError(f"security must be one of {', '.join(SECURITY_MODES)}, "
+                             f"got {security!r}")
+        if (identity is None) != (trusted is None):
+            raise ValueError("a client needs both an identity and trusted keys, or neither")
+        if security == MALICIOUS and identity is None:
+            raise ValueError("the malicious mode needs an identity and trusted keys")
         self.client_id = client_id
         self.threads = threads
         self.policy = policy
+        self.identity = identity
+        self.trusted = trusted
+        self.security = security
+        self._listed: tuple[tuple[int, bytes], ...] = ()  # malicious: the advertisement list
+        self._digest = b""  # and its digest
+        self._signed_set: tuple[int, ...] = ()  # the survivor set this client signed
         self.expected_run_id = run_id
         self.expected_round_id = round_id
         self.stage = Stage.SETUP
@@ -104,6 +131,7 @@ class SecAggClient:
             MsgType.SETUP: self._on_setup,
             MsgType.PUBLIC_KEYS: self._on_public_keys,
             MsgType.FORWARDED_SHARES: self._on_forwarded_shares,
+            MsgType.CONSISTENCY_CHECK: self._on_consistency_check,
             MsgType.UNMASK_REQUEST: self._on_unmask_request,
         }
         if kind not in handlers:
@@ -125,15 +153,29 @@ class SecAggClient:
         self._b_seed = os.urandom(32)
         self._setup_raw = bytes(payload)
         self.stage = Stage.ADVERTISE_KEYS
-        reply = msg.AdvertiseKeys(
-            kx.public_bytes(self._c_sk), kx.public_bytes(self._s_sk), kx.commit(self._b_seed)
-        )
-        return msg.encode_advertise_keys(self._header(MsgType.ADVERTISE_KEYS), reply)
+        return msg.encode_advertise_keys(self._header(MsgType.ADVERTISE_KEYS), self._advert())
+
+    def _advert(self) -> msg.AdvertiseKeys:
+        """This round's key advertisement (signed in the malicious mode: Ed25519 signatures
+        are deterministic, so it is the same whenever rebuilt)."""
+        assert self._c_sk is not None and self._s_sk is not None
+        c_pk, s_pk = kx.public_bytes(self._c_sk), kx.public_bytes(self._s_sk)
+        commitment = kx.commit(self._b_seed)
+        cfg = self._cfg
+        if not cfg.malicious or self.identity is None:
+            return msg.AdvertiseKeys(c_pk, s_pk, commitment)
+        ident = self.identity.public
+        signature = self.identity.sign(mal.advert_message(
+            cfg.run_id, cfg.round_id, self.client_id, c_pk, s_pk, commitment, ident))
+        return msg.AdvertiseKeys(c_pk, s_pk, commitment, ident, signature)
 
     def _on_public_keys(self, payload: bytes) -> bytes:
         self._require_stage(Stage.ADVERTISE_KEYS, "PUBLIC_KEYS")
-        h, m = msg.decode_public_keys(payload)
-        peers = self._load_public_keys(h, m)
+        h, m = msg.decode_public_keys(payload, signed=self._cfg.malicious)
+        neighbours, digest = self.neighbours, b""
+        if self._cfg.malicious:
+            neighbours, digest = self._load_signed_keys(h, m)
+        peers = self._load_public_keys(h, m, neighbours)
         cfg = self._cfg
         ids = sorted(peers)
         xs = [cfg.positions[v] + 1 for v in ids]
@@ -143,13 +185,15 @@ class SecAggClient:
         for v, b_share, sk_share in zip(ids, b_shares, sk_shares, strict=True):
             c_shared = kx.agree(self._c_sk, peers[v].c_pk)
             key = kx.share_key(c_shared, cfg.run_id, cfg.round_id, self.client_id, v)
-            ad = kx.share_ad(cfg.run_id, cfg.round_id, self.client_id, v)
+            ad = kx.share_ad(cfg.run_id, cfg.round_id, self.client_id, v) + digest
             out.append((v, kx.encrypt(key, ad, b_share + sk_share)))
             theirs = kx.share_key(c_shared, cfg.run_id, cfg.round_id, v, self.client_id)
             s_shared = kx.agree(self._s_sk, peers[v].s_pk)
             derived[v] = (theirs, kx.pair_seed(s_shared, cfg.run_id, cfg.round_id,
                                                self.client_id, v))
         self._peers = derived
+        if cfg.malicious:
+            self.neighbours, self._listed, self._digest = neighbours, m.advertised, digest
         self._c_sk = self._s_sk = None  # everything later needs is derived now
         self.stage = Stage.SHARE_KEYS
         return msg.encode_share_keys(self._header(MsgType.SHARE_KEYS), msg.ShareKeys(tuple(out)))
@@ -176,11 +220,37 @@ class SecAggClient:
         self.stage = Stage.MASKED_INPUT
         return reply
 
-    def _on_unmask_request(self, payload: bytes) -> bytes:
-        if self.stage not in (Stage.MASKED_INPUT, Stage.UNMASKING):
-            raise ProtocolError(f"UNMASK_REQUEST not expected after stage {self.stage.name}")
-        h, m = msg.decode_unmask_request(payload)
+    def _on_consistency_check(self, payload: bytes) -> bytes:
+        if not self._cfg.malicious:
+            raise ProtocolError("CONSISTENCY_CHECK in a semi-honest session")
+        self._require_stage(Stage.MASKED_INPUT, "CONSISTENCY_CHECK")
+        h, m = msg.decode_consistency_check(payload)
         self._check_header(h)
+        survivors = set(m.survivors)
+        if self.client_id not in survivors:
+            raise ProtocolError("consistency check: survivor set lacks this client")
+        outside = survivors - {c for c, _ in self._listed}
+        if outside:
+            raise ProtocolError(f"consistency check: survivor {min(outside)} is not in the "
+                                "advertisement list")
+        assert self.identity is not None
+        cfg = self._cfg
+        signature = self.identity.sign(
+            mal.consistency_message(cfg.run_id, cfg.round_id, m.survivors, self._digest))
+        self._signed_set = m.survivors
+        self.stage = Stage.CONSISTENCY_CHECK
+        return msg.encode_consistency_signature(
+            self._header(MsgType.CONSISTENCY_SIGNATURE), signature)
+
+    def _on_unmask_request(self, payload: bytes) -> bytes:
+        malicious = self._cfg.malicious
+        after = (Stage.CONSISTENCY_CHECK if malicious else Stage.MASKED_INPUT, Stage.UNMASKING)
+        if self.stage not in after:
+            raise ProtocolError(f"UNMASK_REQUEST not expected after stage {self.stage.name}")
+        h, m = msg.decode_unmask_request(payload, signed=malicious)
+        self._check_header(h)
+        if malicious:
+            self._check_signed_request(m)
         survivors, dropped = set(m.survivors), set(m.dropped)
         few = self.policy.survivors_violation(len(survivors - {self.client_id}) + 1)
         if few is not None:  # this client sees its surviving neighbours, and itself
@@ -224,17 +294,118 @@ class SecAggClient:
             )
         if self.client_id not in config.positions:
             raise ProtocolError("this client is not among the participants")
+        if self.security == MALICIOUS and not config.malicious:
+            raise ProtocolError(f"SETUP asks for {config.security} security; this client "
+                                "requires malicious")
+        if config.malicious and self.identity is None:
+            raise ProtocolError("SETUP asks for malicious security; this client has no "
+                                "identity key")
         self.policy.check(config)
+        self.config = config
+        if config.malicious:  # neighbours come from the advertisement list (PUBLIC_KEYS)
+            self.neighbours = frozenset()
+            return
         graph = regular_graph(config.n, config.k, config.seed)
         ids = config.participants
         self.neighbours = frozenset(ids[j] for j in graph[config.positions[self.client_id]])
-        self.config = config
 
-    def _load_public_keys(self, h: Header, m: msg.PublicKeys) -> dict[int, PeerKeys]:
+    def _load_signed_keys(self, h: Header, m: msg.PublicKeys) -> tuple[frozenset[int], bytes]:
+        """Malicious mode: check the list and the neighbours' signed advertisements; this
+        client's neighbours derived from the list, and the list's digest."""
+        self._check_header(h)
+        cfg = self._cfg
+        listed = dict(m.advertised)
+        if not listed.keys() <= cfg.positions.keys():
+            raise ProtocolError("advertisement list names a client outside the participants")
+        own = self._advert()
+        own_message = mal.advert_message(cfg.run_id, cfg.round_id, self.client_id, own.c_pk,
+                                         own.s_pk, own.b_commitment, own.identity)
+        if listed.get(self.client_id) != mal.advert_digest(own_message, own.signature):
+            raise ProtocolError("advertisement list lacks this client's own advertisement")
+        used = {own.identity: self.client_id}
+        for e in m.entries:
+            self._check_advert(e, listed, used, signature=True)
+        neighbours = self._derive_neighbours(m.advertised)
+        named = {e.client_id for e in m.entries}
+        if named != neighbours:
+            extra, missing = sorted(named - neighbours), sorted(neighbours - named)
+            raise ProtocolError(f"neighbours are not the graph derived from the advertisement "
+                                f"list (extra {extra}, missing {missing})")
+        return neighbours, mal.list_digest(cfg.run_id, cfg.round_id, m.advertised)
+
+    def _check_advert(self, e: PeerKeys, listed: dict[int, bytes], used: dict[bytes, int], *,
+                      signature: bool) -> None:
+        """A peer's signed advertisement: trusted identity, valid signature bound to this
+        run, round and stage (when ``signature``), hashing to its list entry, identity not
+        used by another node."""
+        cfg = self._cfg
+        assert self.trusted is not None
+        c = e.client_id
+        if e.identity not in self.trusted:
+            raise ProtocolError(f"client {c}'s advertisement: identity not trusted")
+        message = mal.advert_message(cfg.run_id, cfg.round_id, c, e.c_pk, e.s_pk,
+                                     e.b_commitment, e.identity)
+        if signature and not mal.verify(self.trusted, e.identity, e.signature, message):
+            raise ProtocolError(f"client {c}'s advertisement: bad signature (or one bound "
+                                "to another run, round or stage: a replay)")
+        if used.setdefault(e.identity, c) != c:
+            raise ProtocolError(f"client {c}'s advertisement: identity already used by "
+                                f"client {used[e.identity]}")
+        if listed.get(c) != mal.advert_digest(message, e.signature):
+            raise ProtocolError(f"client {c}'s advertisement does not match the list")
+
+    def _derive_neighbours(self, listed: tuple[tuple[int, bytes], ...]) -> frozenset[int]:
+        """This client's neighbours: the graph from the list's seed, inside the list's
+        t-core (the clients the server keeps); ProtocolError if this client is not kept."""
+        cfg = self._cfg
+        digest = mal.list_digest(cfg.run_id, cfg.round_id, listed)
+        kept = mal.derived_neighbours(cfg.participants, cfg.k, cfg.t, tuple(listed), digest,
+                                      self.policy.require_connected)
+        if self.client_id not in kept:
+            raise ProtocolError("this client has fewer than t neighbours in the derived graph")
+        return kept[self.client_id]
+
+    def _check_signed_request(self, m: msg.UnmaskRequest) -> None:
+        """Malicious mode: a quorum of valid signatures on the set this client signed, from
+        distinct trusted members; survivors in it, dropped peers outside it."""
+        cfg = self._cfg
+        assert self.trusted is not None
+        signed = set(self._signed_set)
+        listed = dict(self._listed)
+        message = mal.consistency_message(cfg.run_id, cfg.round_id, self._signed_set,
+                                          self._digest)
+        need = mal.quorum(len(self._listed), cfg.t, self.policy.corrupt_fraction)
+        identities: set[bytes] = set()
+        for x in m.signatures:
+            e = x.signer
+            if e.client_id not in signed:
+                raise ProtocolError(f"unmask request refused: signer {e.client_id} is not in "
+                                    "the signed survivor set")
+            # a signer's advertisement needs no signature check: an honest identity signs
+            # only a set holding its own node, under the list holding its own advertisement
+            self._check_advert(e, listed, {}, signature=False)
+            if e.identity in identities:
+                raise ProtocolError("unmask request refused: two signatures by one identity")
+            if not mal.verify(self.trusted, e.identity, x.signature, message):
+                raise ProtocolError(f"unmask request refused: client {e.client_id}'s signature "
+                                    "is not on the survivor set this client signed")
+            identities.add(e.identity)
+        if len(identities) < need:
+            raise ProtocolError(f"unmask request refused: {len(identities)} consistency "
+                                f"signatures, {need} needed")
+        if not set(m.survivors) <= signed:
+            raise ProtocolError("unmask request refused: it lists survivors outside the "
+                                "signed survivor set")
+        if set(m.dropped) & signed:
+            raise ProtocolError("unmask request refused: it lists as dropped a client of the "
+                                "signed survivor set")
+
+    def _load_public_keys(self, h: Header, m: msg.PublicKeys,
+                          neighbours: frozenset[int]) -> dict[int, PeerKeys]:
         self._check_header(h)
         peers = {}
         for e in m.entries:
-            if e.client_id not in self.neighbours:
+            if e.client_id not in neighbours:
                 raise ProtocolError(f"public keys of client {e.client_id}, not a neighbour")
             peers[e.client_id] = e
         if len(peers) < self._cfg.t:
@@ -257,7 +428,7 @@ class SecAggClient:
                 raise ProtocolError(f"share from client {sender}, not a neighbour")
             if sender not in self._peers:
                 raise ProtocolError(f"share from client {sender}, whose keys were not announced")
-            ad = kx.share_ad(cfg.run_id, cfg.round_id, sender, self.client_id)
+            ad = kx.share_ad(cfg.run_id, cfg.round_id, sender, self.client_id) + self._digest
             try:
                 plain = kx.decrypt(self._peers[sender][0], ad, ct)
             except ProtocolError:
@@ -316,7 +487,8 @@ class SecAggClient:
         Layout: a header, then four length-prefixed blobs (the SETUP message; the
         private keys and b_u's seed until PUBLIC_KEYS, then the seed alone until
         masking; per announced neighbour its share key and pair seed; per held
-        peer its two shares), then the shares revealed so far.
+        peer its two shares; in the malicious mode also the advertisement list and the
+        signed survivor set), then the shares revealed so far.
         """
         flags = (self.expected_run_id is not None) | (self.expected_round_id is not None) << 1
         head = _STATE_HEAD.pack(
@@ -333,31 +505,38 @@ class SecAggClient:
             secrets = kx.private_bytes(self._c_sk) + kx.private_bytes(self._s_sk) + secrets
         peers = b"".join(_PEER.pack(v, *p) for v, p in sorted(self._peers.items()))
         held = b"".join(_HELD.pack(v, *p) for v, p in sorted(self._held.items()))
-        parts = [head] + [_BLOB.pack(len(b)) + b for b in (self._setup_raw, secrets, peers, held)]
+        blobs = [self._setup_raw, secrets, peers, held]
+        if self.config is not None and self.config.malicious:
+            blobs.append(b"".join(_LISTED.pack(c, d) for c, d in self._listed))
+            blobs.append(struct.pack(f"<{len(self._signed_set)}Q", *self._signed_set))
+        parts = [head] + [_BLOB.pack(len(b)) + b for b in blobs]
         parts.append(_BLOB.pack(len(self._revealed)))
         parts += [_REVEALED.pack(v, k) for v, k in sorted(self._revealed.items())]
         return b"".join(parts)
 
     @classmethod
     def from_state(cls, data: bytes, *, threads: int = 1,
-                   policy: SecAggPolicy = DEFAULT_POLICY) -> SecAggClient:
-        """Rebuild a client from :meth:`export_state` (``threads``, ``policy``: as in the
-        constructor); ProtocolError if malformed."""
+                   policy: SecAggPolicy = DEFAULT_POLICY, identity: Identity | None = None,
+                   trusted: TrustedKeys | None = None,
+                   security: str = SEMI_HONEST) -> SecAggClient:
+        """Rebuild a client from :meth:`export_state` (``threads``, ``policy``, ``identity``,
+        ``trusted``, ``security``: as in the constructor); ProtocolError if malformed."""
+        own = cls(0, policy=policy, identity=identity, trusted=trusted, security=security)
         try:
-            client = cls._from_state(bytes(data), policy)
+            client = cls._from_state(bytes(data), own)
         except (struct.error, ValueError, KeyError, IndexError) as exc:
             raise ProtocolError(f"malformed client state: {exc}") from None
         client.threads = threads
         return client
 
     @classmethod
-    def _from_state(cls, data: bytes, policy: SecAggPolicy) -> SecAggClient:
+    def _from_state(cls, data: bytes, own: SecAggClient) -> SecAggClient:
         magic, version, stage, cid, flags, run_id, round_id = _STATE_HEAD.unpack_from(data)
         if magic != _STATE_MAGIC or version != _STATE_VERSION:
             raise ProtocolError("not a client state of this version")
         pos = _STATE_HEAD.size
-        blobs = []
-        for _ in range(4):
+        blobs: list[bytes] = []
+        while len(blobs) < (4 if len(blobs) < 1 or not _is_malicious(blobs[0]) else 6):
             (size,) = _BLOB.unpack_from(data, pos)
             if pos + 4 + size > len(data):
                 raise ProtocolError("truncated client state")
@@ -365,16 +544,18 @@ class SecAggClient:
             pos += 4 + size
         client = cls(
             cid, run_id=run_id if flags & 1 else None, round_id=round_id if flags & 2 else None,
-            policy=policy,
+            policy=own.policy, identity=own.identity, trusted=own.trusted,
+            security=own.security,
         )
         client.stage = Stage(stage)
-        setup, secrets, peers, held = blobs
+        setup, secrets, peers, held = blobs[:4]
         # what each stage keeps: (secrets length, announced peers, held shares)
         expected = {
             Stage.SETUP: (0, False, False),
             Stage.ADVERTISE_KEYS: (96, False, False),
             Stage.SHARE_KEYS: (32, True, False),
             Stage.MASKED_INPUT: (0, False, True),
+            Stage.CONSISTENCY_CHECK: (0, False, True),
             Stage.UNMASKING: (0, False, True),
         }[client.stage]
         if (bool(setup), len(secrets), bool(peers), bool(held)) != (
@@ -385,6 +566,8 @@ class SecAggClient:
         if setup:
             client._load_setup(*_decode_setup(setup))
             client._setup_raw = setup
+        if len(blobs) == 6:
+            client._restore_malicious(blobs[4], blobs[5])
         if len(secrets) == 96:
             client._c_sk = kx.private_key_from_bytes(secrets[:32])
             client._s_sk = kx.private_key_from_bytes(secrets[32:64])
@@ -403,6 +586,27 @@ class SecAggClient:
                 raise ProtocolError(f"client state reveals a share of client {v}, not held")
             client._revealed[v] = ShareKind(kind)
         return client
+
+
+    def _restore_malicious(self, listed: bytes, signed: bytes) -> None:
+        """The advertisement list (and the neighbours derived from it) and the signed set."""
+        self._listed = tuple((c, d) for c, d in _entries(_LISTED, listed))
+        if self._listed:
+            cfg = self._cfg
+            self._digest = mal.list_digest(cfg.run_id, cfg.round_id, self._listed)
+            self.neighbours = self._derive_neighbours(self._listed)
+        elif self.stage > Stage.ADVERTISE_KEYS:
+            raise ProtocolError("client state lacks the advertisement list")
+        if len(signed) % 8:
+            raise ProtocolError("malformed client state: a signed set id is cut short")
+        self._signed_set = struct.unpack(f"<{len(signed) // 8}Q", signed)
+        if (self.stage >= Stage.CONSISTENCY_CHECK) != bool(self._signed_set):
+            raise ProtocolError(f"client state does not match stage {self.stage.name}")
+
+
+def _is_malicious(setup: bytes) -> bool:
+    """Whether a saved SETUP message is a malicious-mode one (its state has two more blobs)."""
+    return bool(setup) and _decode_setup(setup)[1].malicious
 
 
 _SETUPS: dict[bytes, SessionParams] = {}  # recently decoded SETUP bodies

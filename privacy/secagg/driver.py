@@ -14,7 +14,8 @@ import numpy as np
 
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.errors import ProtocolError
-from privacy.secagg.params import SessionParams
+from privacy.secagg.identity import Identity, TrustedKeys
+from privacy.secagg.params import MALICIOUS, SEMI_HONEST, SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.server import SecAggServer, Status
 from privacy.secagg.stages import Stage
@@ -40,6 +41,11 @@ def run_secagg_round(
     client_errors: dict[int, str] | None = None,
     client_seconds: dict[int, float] | None = None,
     policy: SecAggPolicy = DEFAULT_POLICY,
+    security: str = SEMI_HONEST,
+    identities: Mapping[int, Identity] | None = None,
+    trusted: TrustedKeys | None = None,
+    server_trusted: TrustedKeys | None = None,
+    clients_out: dict[int, SecAggClient] | None = None,
 ) -> tuple[np.ndarray | None, SecAggServer]:
     """Run one round; returns (sum mod 2^bits, server), or (None, server) if aborted.
 
@@ -50,17 +56,32 @@ def run_secagg_round(
     then on; its reason goes to ``client_errors``. ``client_seconds`` receives each
     client's total time in :meth:`SecAggClient.handle`. ``policy`` is both the server's
     and every client's (ValueError if the configuration is below it).
+
+    ``security`` "malicious": every client gets ``identities[c]`` (fresh ones by default)
+    and trusts ``trusted`` (by default exactly those identities) and requires the mode;
+    the server gets ``server_trusted`` (None: it checks signatures, not trust).
+    ``clients_out`` receives the clients.
     """
     n = len(inputs)
     ids = list(ids) if ids is not None else list(range(1, n + 1))
     drop = dict(drop or {})
     dim = int(np.asarray(inputs[0]).size)
     config = SessionParams.create(
-        ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed
+        ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed,
+        security=security,
     )
-    server = SecAggServer(config, policy)
-    clients = {c: SecAggClient(c, run_id=run_id, round_id=round_id, policy=policy)
-               for c in ids}
+    server = SecAggServer(config, policy, server_trusted)
+    if security == MALICIOUS:
+        identities = identities or {c: Identity.generate() for c in ids}
+        trusted = trusted or TrustedKeys(identities[c].public for c in ids)
+        clients = {c: SecAggClient(c, run_id=run_id, round_id=round_id, policy=policy,
+                                   identity=identities[c], trusted=trusted, security=MALICIOUS)
+                   for c in ids}
+    else:
+        clients = {c: SecAggClient(c, run_id=run_id, round_id=round_id, policy=policy)
+                   for c in ids}
+    if clients_out is not None:
+        clients_out.update(clients)
     for c, x in zip(ids, inputs, strict=True):
         clients[c].set_input(x)
     silent: set[int] = set()

@@ -21,6 +21,18 @@ so a smaller modulus makes a smaller upload.
     UNMASK_REQUEST    s u32, d u32, s survivor ids, d dropped ids
     UNMASK_RESPONSE   m u32, m x (peer id, kind u8 (0 self-mask, 1 mask key), share 33B)
 
+The malicious mode (:mod:`privacy.secagg.malicious`) changes four bodies and adds two
+messages (the semi-honest bodies above are unchanged)::
+
+    SETUP             as above, then mode u8 (1: malicious)
+    ADVERTISE_KEYS    as above, then identity 32B, signature 64B
+    PUBLIC_KEYS       m u32, m x (id, c_pk, s_pk, commitment, identity, signature),
+                      L u32, L x (id, advertisement digest 32B), ids increasing
+    UNMASK_REQUEST    as above, then m u32, m x (signer's advertisement as in
+                      PUBLIC_KEYS, consistency signature 64B)
+    CONSISTENCY_CHECK       s u32, s survivor ids (increasing)
+    CONSISTENCY_SIGNATURE   signature 64B
+
 A ciphertext is nonce 12B || AES-GCM(b-share 33B || sk-share 33B) || tag 16B.
 Encoders return ``bytes``, except MASKED_INPUT: :func:`new_masked_input` gives a
 ``bytearray`` to write the vector into, and :func:`masked_input_head` the bytes before
@@ -36,13 +48,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import pairwise
 from typing import TypeVar
 
 import numpy as np
 
 from privacy.secagg.errors import ProtocolError
+from privacy.secagg.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES
 from privacy.secagg.keys import KEY_BYTES, NONCE_BYTES, TAG_BYTES
-from privacy.secagg.params import MAX_CLIENTS, SEED_BYTES, SessionParams
+from privacy.secagg.params import MALICIOUS, MAX_CLIENTS, SEED_BYTES, SessionParams
 from privacy.secagg.shamir import PRIME, SHARE_BYTES
 from privacy.secagg.stages import MsgType
 
@@ -60,6 +74,12 @@ _ADDRESSED_CT = struct.Struct(f"<Q{CIPHERTEXT_BYTES}s")
 _REQUEST_COUNTS = struct.Struct("<II")
 _VECTOR_HEAD = struct.Struct("<B3xIQ")  # word, padding, failed count, dim
 _SHARE = struct.Struct(f"<QB{SHARE_BYTES}s")
+_SIGNED = struct.Struct(f"<{PUBLIC_KEY_BYTES}s{SIGNATURE_BYTES}s")  # identity, signature
+_SIGNED_PEER = struct.Struct(f"<Q{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}s"
+                             f"{PUBLIC_KEY_BYTES}s{SIGNATURE_BYTES}s")
+_LIST_ENTRY = struct.Struct(f"<Q{KEY_BYTES}s")
+_SIG = struct.Struct(f"<{SIGNATURE_BYTES}s")
+_MODE_MALICIOUS = 1
 
 T = TypeVar("T")
 
@@ -87,6 +107,8 @@ class AdvertiseKeys:
     c_pk: bytes
     s_pk: bytes
     b_commitment: bytes  # lets the server check a reconstructed self-mask seed
+    identity: bytes = b""  # malicious mode: Ed25519 public key and its signature
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -94,11 +116,28 @@ class PeerKeys:
     client_id: int
     c_pk: bytes
     s_pk: bytes
+    b_commitment: bytes = b""  # malicious mode: the whole signed advertisement
+    identity: bytes = b""
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
 class PublicKeys:
     entries: tuple[PeerKeys, ...]
+    advertised: tuple[tuple[int, bytes], ...] = ()  # malicious: (id, digest) list
+
+
+@dataclass(frozen=True)
+class ConsistencyCheck:
+    survivors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SignedSet:
+    """A signer's advertisement and its consistency signature, forwarded to each survivor."""
+
+    signer: PeerKeys
+    signature: bytes
 
 
 @dataclass(frozen=True)
@@ -125,6 +164,7 @@ class MaskedInput:
 class UnmaskRequest:
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
+    signatures: tuple[SignedSet, ...] = ()  # malicious mode
 
 
 @dataclass(frozen=True)
@@ -215,18 +255,25 @@ def _unique_peers(pairs: tuple[tuple[int, T], ...]) -> tuple[tuple[int, T], ...]
 def encode_setup(config: SessionParams, recipient: int) -> bytes:
     h = Header(MsgType.SETUP, config.run_id, config.round_id, recipient)
     body = _SETUP.pack(config.n, config.k, config.t, config.bits, config.dim, config.seed)
-    return _header_bytes(h) + body + struct.pack(f"<{config.n}Q", *config.participants)
+    mode = bytes([_MODE_MALICIOUS]) if config.malicious else b""
+    return _header_bytes(h) + body + struct.pack(f"<{config.n}Q", *config.participants) + mode
 
 
 def decode_setup(data: bytes) -> tuple[Header, SessionParams]:
     h, r = _open(data, MsgType.SETUP)
     n, k, t, bits, dim, seed = r.unpack(_SETUP)
-    if n > MAX_CLIENTS or 8 * n != len(r.data) - r.pos:
+    if n > MAX_CLIENTS or len(r.data) - r.pos not in (8 * n, 8 * n + 1):
         raise ProtocolError(f"participant count {n} does not fit the message length")
     ids = r.unpack(struct.Struct(f"<{n}Q"))
+    security = "semi_honest"
+    if r.pos < len(r.data):
+        (mode,) = r.unpack(struct.Struct("<B"))
+        if mode != _MODE_MALICIOUS:
+            raise ProtocolError(f"unknown security mode {mode}")
+        security = MALICIOUS
     r.end()
     try:
-        config = SessionParams(ids, k, t, bits, dim, h.run_id, h.round_id, seed)
+        config = SessionParams(ids, k, t, bits, dim, h.run_id, h.round_id, seed, security)
     except ValueError as exc:
         raise ProtocolError(f"invalid configuration: {exc}") from None
     return h, config
@@ -236,31 +283,55 @@ def decode_setup(data: bytes) -> tuple[Header, SessionParams]:
 
 
 def encode_advertise_keys(h: Header, m: AdvertiseKeys) -> bytes:
-    return _header_bytes(h) + _KEYS.pack(m.c_pk, m.s_pk, m.b_commitment)
+    signed = _SIGNED.pack(m.identity, m.signature) if m.identity else b""
+    return _header_bytes(h) + _KEYS.pack(m.c_pk, m.s_pk, m.b_commitment) + signed
 
 
 def decode_advertise_keys(data: bytes) -> tuple[Header, AdvertiseKeys]:
+    """Either form: ``identity`` is b"" for an unsigned (semi-honest) advertisement."""
     h, r = _open(data, MsgType.ADVERTISE_KEYS)
     fields = r.unpack(_KEYS)
+    signed = r.unpack(_SIGNED) if len(r.data) - r.pos == _SIGNED.size else ()
     r.end()
-    return h, AdvertiseKeys(*fields)
+    return h, AdvertiseKeys(*fields, *signed)
 
 
 # --- PUBLIC_KEYS -----------------------------------------------------------
 
 
-def encode_public_keys(h: Header, m: PublicKeys) -> bytes:
+def _pack_signed_peer(e: PeerKeys) -> bytes:
+    return _SIGNED_PEER.pack(e.client_id, e.c_pk, e.s_pk, e.b_commitment, e.identity,
+                             e.signature)
+
+
+def encode_public_keys(h: Header, m: PublicKeys, *, signed: bool = False) -> bytes:
     parts = [_header_bytes(h), _U32.pack(len(m.entries))]
-    parts += [_PEER_KEYS.pack(e.client_id, e.c_pk, e.s_pk) for e in m.entries]
+    if not signed:
+        parts += [_PEER_KEYS.pack(e.client_id, e.c_pk, e.s_pk) for e in m.entries]
+        return b"".join(parts)
+    parts += [_pack_signed_peer(e) for e in m.entries]
+    parts.append(_U32.pack(len(m.advertised)))
+    parts += [_LIST_ENTRY.pack(c, d) for c, d in m.advertised]
     return b"".join(parts)
 
 
-def decode_public_keys(data: bytes) -> tuple[Header, PublicKeys]:
+def decode_public_keys(data: bytes, *, signed: bool = False) -> tuple[Header, PublicKeys]:
+    """``signed``: the malicious mode's form, with whole advertisements and the list."""
     h, r = _open(data, MsgType.PUBLIC_KEYS)
-    entries = tuple(PeerKeys(*r.unpack(_PEER_KEYS)) for _ in range(r.count(_PEER_KEYS.size)))
+    if not signed:
+        entries = tuple(PeerKeys(*r.unpack(_PEER_KEYS))
+                        for _ in range(r.count(_PEER_KEYS.size)))
+        r.end()
+        _unique_peers(tuple((e.client_id, e) for e in entries))
+        return h, PublicKeys(entries)
+    entries = tuple(PeerKeys(*r.unpack(_SIGNED_PEER))
+                    for _ in range(r.count(_SIGNED_PEER.size)))
+    listed = tuple(r.unpack(_LIST_ENTRY) for _ in range(r.count(_LIST_ENTRY.size)))
     r.end()
     _unique_peers(tuple((e.client_id, e) for e in entries))
-    return h, PublicKeys(entries)
+    if any(a[0] >= b[0] for a, b in pairwise(listed)):
+        raise ProtocolError("advertisement list ids are not increasing")
+    return h, PublicKeys(entries, listed)
 
 
 # --- SHARE_KEYS / FORWARDED_SHARES -----------------------------------------
@@ -366,21 +437,67 @@ def decode_masked_input(data: bytes) -> tuple[Header, MaskedInput]:
 # --- UNMASK_REQUEST --------------------------------------------------------
 
 
-def encode_unmask_request(h: Header, m: UnmaskRequest) -> bytes:
+def encode_unmask_request(h: Header, m: UnmaskRequest, *, signed: bool = False) -> bytes:
     s, d = len(m.survivors), len(m.dropped)
     ids = struct.pack(f"<{s + d}Q", *m.survivors, *m.dropped)
-    return _header_bytes(h) + _REQUEST_COUNTS.pack(s, d) + ids
+    out = _header_bytes(h) + _REQUEST_COUNTS.pack(s, d) + ids
+    if signed:
+        out += encode_signed_sets(m.signatures)
+    return out
 
 
-def decode_unmask_request(data: bytes) -> tuple[Header, UnmaskRequest]:
+def encode_signed_sets(signatures: tuple[SignedSet, ...]) -> bytes:
+    """The signature block of a malicious-mode UNMASK_REQUEST (the same for every survivor)."""
+    parts = [_U32.pack(len(signatures))]
+    parts += [_pack_signed_peer(x.signer) + x.signature for x in signatures]
+    return b"".join(parts)
+
+
+def decode_unmask_request(data: bytes, *, signed: bool = False) -> tuple[Header, UnmaskRequest]:
     h, r = _open(data, MsgType.UNMASK_REQUEST)
     s, d = r.unpack(_REQUEST_COUNTS)
-    if s > MAX_CLIENTS or d > MAX_CLIENTS or 8 * (s + d) != len(r.data) - r.pos:
+    rest = len(r.data) - r.pos
+    if s > MAX_CLIENTS or d > MAX_CLIENTS or (8 * (s + d) > rest if signed else
+                                              8 * (s + d) != rest):
         raise ProtocolError("survivor/dropped counts do not fit the message length")
     survivors = r.ids(s)
     dropped = r.ids(d)
+    sets: list[SignedSet] = []
+    if signed:
+        for _ in range(r.count(_SIGNED_PEER.size + _SIG.size)):
+            peer = PeerKeys(*r.unpack(_SIGNED_PEER))
+            sets.append(SignedSet(peer, r.unpack(_SIG)[0]))
+        _unique_peers(tuple((x.signer.client_id, x) for x in sets))
     r.end()
-    return h, UnmaskRequest(survivors, dropped)
+    return h, UnmaskRequest(survivors, dropped, tuple(sets))
+
+
+# --- CONSISTENCY_CHECK / CONSISTENCY_SIGNATURE (malicious mode) --------------
+
+
+def encode_consistency_check(h: Header, m: ConsistencyCheck) -> bytes:
+    s = len(m.survivors)
+    return _header_bytes(h) + _U32.pack(s) + struct.pack(f"<{s}Q", *m.survivors)
+
+
+def decode_consistency_check(data: bytes) -> tuple[Header, ConsistencyCheck]:
+    h, r = _open(data, MsgType.CONSISTENCY_CHECK)
+    survivors = r.ids(r.count(8))
+    r.end()
+    if any(a >= b for a, b in pairwise(survivors)):
+        raise ProtocolError("survivor ids are not increasing")
+    return h, ConsistencyCheck(survivors)
+
+
+def encode_consistency_signature(h: Header, signature: bytes) -> bytes:
+    return _header_bytes(h) + _SIG.pack(signature)
+
+
+def decode_consistency_signature(data: bytes) -> tuple[Header, bytes]:
+    h, r = _open(data, MsgType.CONSISTENCY_SIGNATURE)
+    (signature,) = r.unpack(_SIG)
+    r.end()
+    return h, signature
 
 
 # --- UNMASK_RESPONSE -------------------------------------------------------
@@ -422,6 +539,8 @@ DECODERS = {
     MsgType.MASKED_INPUT: decode_masked_input,
     MsgType.UNMASK_REQUEST: decode_unmask_request,
     MsgType.UNMASK_RESPONSE: decode_unmask_response,
+    MsgType.CONSISTENCY_CHECK: decode_consistency_check,
+    MsgType.CONSISTENCY_SIGNATURE: decode_consistency_signature,
 }
 
 

@@ -53,6 +53,12 @@ SECURITY_BITS = 40  # no client has t corrupt neighbours except with probability
 MIN_NEIGHBORS = 3
 MIN_SURVIVORS = 3
 DEFAULT_CORRUPT_FRACTION = 0.05
+#: Security modes: against an honest-but-curious server (the default), or against a server
+#: that lies (signed key advertisements, a derived graph, a consistency check:
+#: :mod:`privacy.secagg.malicious`).
+SEMI_HONEST = "semi_honest"
+MALICIOUS = "malicious"
+SECURITY_MODES = (SEMI_HONEST, MALICIOUS)
 
 
 def default_threshold(k: int, threshold_fraction: float = 0.5) -> int:
@@ -146,7 +152,9 @@ class SessionParams:
     0; identical for all parties.
 
     ``participants`` are distinct client ids (uint64) in increasing order; the
-    graph is built on their positions from the public ``seed``.
+    graph is built on their positions from the public ``seed`` (semi-honest mode) or from
+    a seed derived from the round's signed key advertisements (``security`` "malicious":
+    :mod:`privacy.secagg.malicious`; ``seed`` is then unused).
     """
 
     participants: tuple[int, ...]
@@ -157,6 +165,7 @@ class SessionParams:
     run_id: int
     round_id: int
     seed: bytes
+    security: str = SEMI_HONEST
 
     def __post_init__(self) -> None:
         p = self.participants
@@ -181,6 +190,13 @@ class SessionParams:
             raise ValueError("run_id must fit 64 bits and round_id 32 bits")
         if not isinstance(self.seed, bytes) or len(self.seed) != SEED_BYTES:
             raise ValueError(f"seed must be {SEED_BYTES} bytes")
+        if self.security not in SECURITY_MODES:
+            raise ValueError(f"security must be one of {', '.join(SECURITY_MODES)}, "
+                             f"got {self.security!r}")
+
+    @property
+    def malicious(self) -> bool:
+        return self.security == MALICIOUS
 
     @property
     def n(self) -> int:
@@ -210,6 +226,7 @@ class SessionParams:
         run_id: int = 0,
         round_id: int = 0,
         seed: bytes | None = None,
+        security: str = SEMI_HONEST,
     ) -> SessionParams:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
@@ -233,7 +250,7 @@ class SessionParams:
                     break  # (a k below the policy is for tests, or refused later)
             else:  # pragma: no cover - k >= 3 regular graphs are connected w.h.p.
                 raise RuntimeError(f"no connected {k}-regular graph on {n} nodes drawn")
-        return cls(ids, k, t, bits, dim, run_id, round_id, seed)
+        return cls(ids, k, t, bits, dim, run_id, round_id, seed, security)
 
 
 def word_dtype(bits: int) -> np.dtype:

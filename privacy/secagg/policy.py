@@ -87,7 +87,8 @@ class SecAggPolicy:
                     f"(or the full graph, k = {n - 1})")
         if self.require_majority and 2 * t <= k:
             return f"threshold t = {t} is not more than half of k = {k} (need t >= {k // 2 + 1})"
-        if self.require_connected and not graph_connected(n, k, config.seed):
+        if self.require_connected and not config.malicious and \
+                not graph_connected(n, k, config.seed):  # malicious: derived connected
             return f"the communication graph (n = {n}, k = {k}) from the seed is disconnected"
         return None
 

@@ -31,6 +31,12 @@ that every secret it will need has at least t holders among the survivors; other
 it aborts without asking, so an aborted round reveals nothing. It aborts in stage 4 if
 responders drop so that fewer than t shares of a needed secret arrive.
 
+In the malicious mode (``config.security``, :mod:`privacy.secagg.malicious`) the server
+checks each advertisement's signature (and, given ``trusted``, its identity), builds the
+advertisement list, derives the graph from it at the close of stage 1, and runs the
+consistency check (stage CONSISTENCY_CHECK) between masking and unmasking: it unmasks
+only with a quorum of signatures on the survivor set, which it forwards to each signer.
+
 Cost: masked vectors are added into one running sum as they arrive (a sender
 rejected later is subtracted again), so only that sum is kept for stage 4, where
 the secrets are rebuilt (one set of Lagrange coefficients per set of holders)
@@ -46,9 +52,11 @@ from enum import Enum
 import numpy as np
 
 from privacy.secagg import keys as kx
+from privacy.secagg import malicious as mal
 from privacy.secagg import messages as msg
 from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.graph import component_of, regular_graph
+from privacy.secagg.identity import TrustedKeys
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
 from privacy.secagg.params import SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
@@ -67,17 +75,18 @@ class Status(Enum):
 class SecAggServer:
     """One round of secure aggregation, server side."""
 
-    def __init__(self, config: SessionParams, policy: SecAggPolicy = DEFAULT_POLICY) -> None:
+    def __init__(self, config: SessionParams, policy: SecAggPolicy = DEFAULT_POLICY,
+                 trusted: TrustedKeys | None = None) -> None:
         why = policy.violation(config)
         if why is not None:
             raise ValueError(f"session below the secure-aggregation policy: {why}")
         self.config = config
         self.policy = policy
-        ids = config.participants
-        graph = regular_graph(config.n, config.k, config.seed)
-        self.neighbours: dict[int, frozenset[int]] = {
-            c: frozenset(ids[j] for j in graph[i]) for i, c in enumerate(ids)
-        }
+        self.trusted = trusted  # malicious mode: advertisements by others are rejected
+        self.neighbours: dict[int, frozenset[int]] = self._graph(config.seed)
+        self.advertised: tuple[tuple[int, bytes], ...] = ()  # malicious: the list
+        self.list_digest = b""
+        self._signatures: dict[int, bytes] = {}  # malicious: consistency signatures
         self.stage = Stage.SETUP  # the stage whose replies are awaited
         self.status = Status.RUNNING
         self.abort_reason: str | None = None
@@ -108,6 +117,11 @@ class SecAggServer:
     @property
     def participants(self) -> tuple[int, ...]:
         return self.config.participants
+
+    def _graph(self, seed: bytes) -> dict[int, frozenset[int]]:
+        cfg, ids = self.config, self.config.participants
+        graph = regular_graph(cfg.n, cfg.k, seed)
+        return {c: frozenset(ids[j] for j in graph[i]) for i, c in enumerate(ids)}
 
     def start(self) -> dict[int, bytes]:
         """The SETUP message for every participant; opens stage 1."""
@@ -195,6 +209,7 @@ class SecAggServer:
             Stage.ADVERTISE_KEYS: self._close_advertise_keys,
             Stage.SHARE_KEYS: self._close_share_keys,
             Stage.MASKED_INPUT: self._close_masked_input,
+            Stage.CONSISTENCY_CHECK: self._close_consistency_check,
             Stage.UNMASKING: self._close_unmasking,
         }
         started = time.perf_counter(), cpu_seconds()
@@ -233,6 +248,7 @@ class SecAggServer:
             Stage.ADVERTISE_KEYS: self._accept_keys,
             Stage.SHARE_KEYS: self._accept_shares,
             Stage.MASKED_INPUT: self._accept_masked_input,
+            Stage.CONSISTENCY_CHECK: self._accept_consistency,
             Stage.UNMASKING: self._accept_unmask_response,
         }[self.stage]
         return handler(sender, payload)
@@ -243,7 +259,30 @@ class SecAggServer:
             raise ProtocolError("the two advertised public keys are identical")
         kx.agree(self._probe, m.c_pk)  # ProtocolError for low-order or malformed points
         kx.agree(self._probe, m.s_pk)
+        if bool(m.identity) != self.config.malicious:
+            raise ProtocolError("a signed advertisement is needed in the malicious mode, an "
+                                "unsigned one otherwise")
+        if m.identity:
+            cfg = self.config
+            message = mal.advert_message(cfg.run_id, cfg.round_id, sender, m.c_pk, m.s_pk,
+                                         m.b_commitment, m.identity)
+            checker = self.trusted or TrustedKeys([m.identity])
+            if not checker.verify(m.identity, m.signature, message):
+                why = "untrusted identity" if m.identity not in checker else "bad signature"
+                raise ProtocolError(f"advertisement refused: {why}")
+            return PeerKeys(sender, m.c_pk, m.s_pk, m.b_commitment, m.identity,
+                            m.signature), m.b_commitment
         return PeerKeys(sender, m.c_pk, m.s_pk), m.b_commitment
+
+    def _accept_consistency(self, sender: int, payload: bytes) -> bytes:
+        _, signature = msg.decode_consistency_signature(payload)
+        cfg = self.config
+        message = mal.consistency_message(cfg.run_id, cfg.round_id, sorted(self.survivors),
+                                          self.list_digest)
+        identity = self._keys[sender].identity
+        if not TrustedKeys([identity]).verify(identity, signature, message):
+            raise ProtocolError("consistency signature does not verify")
+        return signature
 
     def _accept_shares(self, sender: int, payload: bytes) -> dict[int, bytes]:
         _, m = msg.decode_share_keys(payload)
@@ -301,15 +340,41 @@ class SecAggServer:
                 for c in clients:
                     self._reject(c, "public key also advertised by another client")
                     self._keys.pop(c, None)
+        if self.config.malicious:
+            self._derive_graph()
         active = self._prune(set(self._keys), "keys")
         self._told_keys = {u: self.neighbours[u] & active for u in active}
         out = {}
         for u in sorted(active):
             entries = tuple(self._keys[v] for v in sorted(self._told_keys[u]))
             h = self._header(MsgType.PUBLIC_KEYS, u)
-            out[u] = msg.encode_public_keys(h, msg.PublicKeys(entries))
+            out[u] = msg.encode_public_keys(h, msg.PublicKeys(entries, self.advertised),
+                                            signed=self.config.malicious)
         self._open(Stage.SHARE_KEYS, active)
         return out
+
+    def _derive_graph(self) -> None:
+        """Malicious mode: the advertisement list of the valid advertisers (one identity
+        each) and the graph from its digest."""
+        cfg = self.config
+        holders: dict[bytes, list[int]] = {}
+        for c, pk in self._keys.items():
+            holders.setdefault(pk.identity, []).append(c)
+        for clients in holders.values():
+            if len(clients) > 1:
+                for c in clients:
+                    self._reject(c, "identity also used by another client")
+                    self._keys.pop(c, None)
+        entries = []
+        for c in sorted(self._keys):
+            pk = self._keys[c]
+            message = mal.advert_message(cfg.run_id, cfg.round_id, c, pk.c_pk, pk.s_pk,
+                                         pk.b_commitment, pk.identity)
+            entries.append((c, mal.advert_digest(message, pk.signature)))
+        self.advertised = tuple(entries)
+        self.list_digest = mal.list_digest(cfg.run_id, cfg.round_id, self.advertised)
+        seed = mal.derive_seed(self.list_digest, cfg.n, cfg.k, self.policy.require_connected)
+        self.neighbours = self._graph(seed)
 
     def _close_share_keys(self) -> dict[int, bytes]:
         self._cts = dict(self._received)  # type: ignore[arg-type]
@@ -348,8 +413,35 @@ class SecAggServer:
                               f"{len(survivors)} clients reachable from client "
                               f"{min(survivors)}): each part's sum would be revealed; "
                               "no share was requested")
+        for u in set(self._summed) - survivors:
+            self._remove_vector(u)
+        self._summed = {}  # the sum is all that is kept of the survivors' vectors
+        if self.config.malicious:
+            return self._consistency_check()
+        return self._unmask_requests(survivors)
+
+    def _consistency_check(self) -> dict[int, bytes]:
+        """Malicious mode: send every survivor the survivor set to sign."""
+        check = msg.ConsistencyCheck(tuple(sorted(self.survivors)))
+        out = {w: msg.encode_consistency_check(self._header(MsgType.CONSISTENCY_CHECK, w), check)
+               for w in sorted(self.survivors)}
+        self._open(Stage.CONSISTENCY_CHECK, set(self.survivors))
+        return out
+
+    def _close_consistency_check(self) -> dict[int, bytes]:
+        self._signatures = dict(self._received)  # type: ignore[arg-type]
+        need = mal.quorum(len(self.advertised), self.config.t, self.policy.corrupt_fraction)
+        if len(self._signatures) < need:
+            raise Aborted(f"{len(self._signatures)} consistency signatures, {need} needed; "
+                          "no share was requested")
+        return self._unmask_requests(frozenset(self._signatures))
+
+    def _unmask_requests(self, responders: frozenset[int]) -> dict[int, bytes]:
+        """Check that every needed secret has t holders among ``responders`` (the survivors,
+        or those who signed the survivor set), then ask each for its shares."""
+        survivors = self.survivors
         holders: dict[int, list[int]] = {}
-        for w in sorted(survivors):
+        for w in sorted(responders):
             for v in self._masked_with[w]:
                 holders.setdefault(v, []).append(w)
         t = self.config.t
@@ -367,19 +459,22 @@ class SecAggServer:
                     f"{t} shares among survivors; no share was requested"
                 )
         self._dropped_needed = dropped
-        for u in set(self._summed) - survivors:
-            self._remove_vector(u)
-        self._summed = {}  # the sum is all that is kept of the survivors' vectors
+        malicious = self.config.malicious
+        need = mal.quorum(len(self.advertised), t, self.policy.corrupt_fraction)
+        signed = tuple(msg.SignedSet(self._keys[w], self._signatures[w])
+                       for w in sorted(self._signatures)[:need]) if malicious else ()
         out = {}
-        for w in sorted(survivors):
+        for w in sorted(responders):
             mine = self._masked_with[w]
-            req = msg.UnmaskRequest(tuple(sorted(mine & survivors)), tuple(sorted(mine & dropped)))
+            req = msg.UnmaskRequest(tuple(sorted(mine & survivors)),
+                                    tuple(sorted(mine & dropped)), signed)
             self._requested[w] = frozenset(
                 [(v, ShareKind.SELF_MASK) for v in req.survivors]
                 + [(v, ShareKind.MASK_KEY) for v in req.dropped]
             )
-            out[w] = msg.encode_unmask_request(self._header(MsgType.UNMASK_REQUEST, w), req)
-        self._open(Stage.UNMASKING, set(survivors))
+            out[w] = msg.encode_unmask_request(self._header(MsgType.UNMASK_REQUEST, w), req,
+                                               signed=malicious)
+        self._open(Stage.UNMASKING, set(responders))
         return out
 
     def _close_unmasking(self) -> dict[int, bytes]:

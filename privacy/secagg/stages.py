@@ -12,7 +12,8 @@ class Stage(IntEnum):
     ADVERTISE_KEYS = 1
     SHARE_KEYS = 2
     MASKED_INPUT = 3
-    UNMASKING = 4
+    CONSISTENCY_CHECK = 4  # the malicious mode only: survivors sign the survivor set
+    UNMASKING = 5
 
 
 class MsgType(IntEnum):
@@ -26,6 +27,8 @@ class MsgType(IntEnum):
     MASKED_INPUT = 6  # client -> server: masked vector
     UNMASK_REQUEST = 7  # server -> client: surviving and dropped neighbours
     UNMASK_RESPONSE = 8  # client -> server: the requested shares
+    CONSISTENCY_CHECK = 9  # server -> client: the survivor set (malicious mode)
+    CONSISTENCY_SIGNATURE = 10  # client -> server: its signature of that set
 
 
 #: The client message the server awaits while a stage is open.
@@ -33,5 +36,6 @@ REPLY_TYPE: dict[Stage, MsgType] = {
     Stage.ADVERTISE_KEYS: MsgType.ADVERTISE_KEYS,
     Stage.SHARE_KEYS: MsgType.SHARE_KEYS,
     Stage.MASKED_INPUT: MsgType.MASKED_INPUT,
+    Stage.CONSISTENCY_CHECK: MsgType.CONSISTENCY_SIGNATURE,
     Stage.UNMASKING: MsgType.UNMASK_RESPONSE,
 }

@@ -1,0 +1,146 @@
+"""The malicious-server mode's derivations, computed alike by the server and every client.
+
+In ``security = "malicious"`` (:class:`~privacy.secagg.params.SessionParams`) a round adds
+to SecAgg+ (after Bonawitz et al., CCS 2017, active variant; Bell et al., CCS 2020):
+
+- signed key advertisements: each ADVERTISE_KEYS carries the client's Ed25519 identity
+  and its signature over (run, round, stage, node id, both X25519 keys, the self-mask
+  commitment, the identity) (:func:`advert_message`); a client refuses a peer's
+  advertisement whose signature fails, whose identity is not trusted or already used by
+  another node, or that is bound to another run, round or stage;
+- the advertisement list: (node id, :func:`advert_digest`) of every stage-1 survivor,
+  sent to every client in PUBLIC_KEYS. The graph seed is derived from it
+  (:func:`derive_seed`), not chosen by the server; every client recomputes the graph and
+  the t-core of the list (:func:`threshold_core`) and refuses other neighbours. Share
+  ciphertexts bind the list's digest, so only clients with the same list decrypt them;
+- a consistency check before unmasking: each survivor signs (run, round, the survivor
+  set S, the list's digest) (:func:`consistency_message`) and answers an unmask request
+  only with :func:`quorum` valid signatures on its own S from distinct trusted members of
+  S, and only for the kinds of share S implies.
+
+What a server colluding with corrupt clients can still do: choose which advertisements
+enter the list (and have corrupt clients make fresh ones), so it can try many graphs and
+keep one where a target has t corrupt neighbours. Each try succeeds with probability at
+most n * P[Bin(k, gamma) >= t] <= 2^-security_bits (:mod:`privacy.secagg.params`), so
+2^w tries lower the bound to 2^(w - security_bits). The quorum holds while at most
+ceil(gamma * L) of the L listed identities are corrupt: two quorums on different sets then
+share an honest signer, who signs one set per round, so all honest clients that unmask
+agree on S and none reveals both shares of a peer; a server with more corrupt identities
+can split the honest clients into two groups that each reach a quorum. Identities are not
+bound to node ids (the trusted set is a set of keys), so a corrupt identity may stand for
+any node id, once per client's view.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+
+from privacy.secagg.graph import graph_connected, regular_graph
+from privacy.secagg.identity import TrustedKeys, signed_bytes
+from privacy.secagg.params import MIN_NEIGHBORS
+from privacy.secagg.stages import Stage
+
+DIGEST_BYTES = 32
+_MAX_SEED_COUNTER = 64
+_ENTRY = struct.Struct(f"<Q{DIGEST_BYTES}s")
+_VERIFIED: dict[tuple[bytes, bytes, bytes], None] = {}  # signatures found valid
+_MAX_VERIFIED = 1 << 14
+
+
+def verify(trusted: TrustedKeys, public: bytes, signature: bytes, message: bytes) -> bool:
+    """:meth:`TrustedKeys.verify`, remembering the last few thousand valid signatures: the
+    clients of a round in one process (a simulation) check the same ones. Only a valid
+    signature is remembered, and trust is checked on every call."""
+    if public not in trusted:
+        return False
+    key = (bytes(public), bytes(signature), bytes(message))
+    if key in _VERIFIED:
+        return True
+    if not trusted.verify(public, signature, message):
+        return False
+    if len(_VERIFIED) >= _MAX_VERIFIED:
+        _VERIFIED.pop(next(iter(_VERIFIED)), None)
+    _VERIFIED[key] = None
+    return True
+
+
+def advert_message(run_id: int, round_id: int, node: int, c_pk: bytes, s_pk: bytes,
+                   commitment: bytes, identity: bytes) -> bytes:
+    """What a key advertisement's signature covers."""
+    return signed_bytes("advertise", run_id, round_id, int(Stage.ADVERTISE_KEYS), node,
+                        c_pk, s_pk, commitment, identity)
+
+
+def advert_digest(message: bytes, signature: bytes) -> bytes:
+    """The 32-byte digest of a signed advertisement (its list entry)."""
+    return hashlib.sha256(b"fedring-secagg/v1/advert-digest\x00" + message + signature).digest()
+
+
+def list_digest(run_id: int, round_id: int, entries: Sequence[tuple[int, bytes]]) -> bytes:
+    """The digest of the advertisement list (ids increasing)."""
+    h = hashlib.sha256(b"fedring-secagg/v1/advert-list\x00" + struct.pack("<QI", run_id, round_id))
+    for node, digest in entries:
+        h.update(_ENTRY.pack(node, digest))
+    return h.digest()
+
+
+def derive_seed(digest: bytes, n: int, k: int, require_connected: bool) -> bytes:
+    """The graph seed of a round: H(list digest, counter) for the first counter whose
+    k-regular graph on the n participants is connected (counter 0 when not required)."""
+    for counter in range(_MAX_SEED_COUNTER):
+        seed = hashlib.sha256(b"fedring-secagg/v1/graph-seed\x00" + digest +
+                              struct.pack("<I", counter)).digest()
+        if not require_connected or not MIN_NEIGHBORS <= k <= n - 1 or \
+                graph_connected(n, k, seed):
+            return seed
+    # pragma: no cover - k >= 3 regular graphs are connected w.h.p.
+    raise ValueError(f"no connected {k}-regular graph on {n} nodes from the list")
+
+
+def threshold_core(neighbours: Mapping[int, frozenset[int]], active: set[int],
+                   t: int) -> set[int]:
+    """The largest subset of ``active`` where each keeps >= t neighbours inside it (what
+    the server's pruning leaves: unique, whatever the order of removal)."""
+    core = set(active)
+    changed = True
+    while changed:
+        changed = False
+        for u in sorted(core):
+            if len(neighbours[u] & core) < t:
+                core.discard(u)
+                changed = True
+    return core
+
+
+@lru_cache(maxsize=8)
+def derived_neighbours(participants: tuple[int, ...], k: int, t: int,
+                       listed: tuple[tuple[int, bytes], ...], digest: bytes,
+                       require_connected: bool) -> dict[int, frozenset[int]]:
+    """Every kept client's neighbours (read-only): the k-regular graph on the participants
+    from the list's seed, inside the list's t-core. Memoized: the clients of a round in
+    one process derive the same one."""
+    n = len(participants)
+    graph = regular_graph(n, k, derive_seed(digest, n, k, require_connected))
+    adjacency = {c: frozenset(participants[j] for j in graph[i])
+                 for i, c in enumerate(participants)}
+    core = threshold_core(adjacency, {c for c, _ in listed}, t)
+    return {c: adjacency[c] & core for c in sorted(core)}
+
+
+def consistency_message(run_id: int, round_id: int, survivors: Sequence[int],
+                        digest: bytes) -> bytes:
+    """What a consistency-check signature covers: the survivor set S and the list."""
+    ids = struct.pack(f"<{len(survivors)}Q", *sorted(survivors))
+    return signed_bytes("consistency", run_id, round_id, ids, digest)
+
+
+def quorum(listed: int, t: int, corrupt_fraction: float) -> int:
+    """Signatures an unmask request needs: more than (L + c) / 2 with c = ceil(gamma L)
+    corrupt identities among the L listed (two quorums then share an honest signer),
+    and at least t."""
+    corrupt = math.ceil(corrupt_fraction * listed)
+    return max(t, (listed + corrupt) // 2 + 1)
