@@ -61,6 +61,13 @@ the reason. The minimums are the policy's defaults, raised (never lowered) by th
 config ``secagg-min-neighbors`` and ``secagg-min-survivors`` (integers); nothing the
 server sends changes them.
 
+Against a server that lies (``[secagg] security = "malicious"``: the SETUP says so) a
+client signs with its SecAgg+ identity and checks its peers' signatures, the derived
+graph and the consistency check (``privacy.secagg.malicious``). The identity comes from
+the ``identity`` argument of :class:`SecureClient` (default: the node config, read by
+``client.secagg_identity``); a node without one refuses a malicious SETUP. The node config
+``secagg-security = "malicious"`` makes a node refuse a semi-honest SETUP.
+
 A large update is quantized, and its masks expanded, on ``mask-threads`` threads (node
 config, an integer >= 1; default 1). A SuperNode with cores to spare sets it
 (``flower-supernode --node-config "mask-threads=4"``); the in-process engine, which runs
@@ -97,10 +104,20 @@ from client.protocol.secagg import (
     dropout_stage,
     eval_words,
 )
+from client.secagg_identity import secagg_identity
 from privacy.dp import DistributedDPPlan, clip_l2, distributed_encode
 from privacy.dp.distributed import clip_l2_exact
-from privacy.secagg import DEFAULT_POLICY, ProtocolError, SecAggClient, SecAggPolicy, Stage
+from privacy.secagg import (
+    DEFAULT_POLICY,
+    SECURITY_MODES,
+    SEMI_HONEST,
+    ProtocolError,
+    SecAggClient,
+    SecAggPolicy,
+    Stage,
+)
 from privacy.secagg.buffers import POOL
+from privacy.secagg.identity import Identity, TrustedKeys
 from privacy.secagg.messages import decode_setup, read_header
 from privacy.secagg.params import word_dtype
 from privacy.secagg.quantize import (
@@ -125,6 +142,8 @@ class HasDelta(Protocol):
 
 
 LocalUpdateFn = Callable[[Message, Context], HasDelta]
+#: A node's SecAgg+ identity and the keys it trusts, or None (no malicious-mode sessions).
+IdentityFn = Callable[[Context], tuple[Identity, TrustedKeys] | None]
 #: The client's figures for the model of an evaluate message, on its held-out split.
 EvaluationFn = Callable[[Message, Context], ClientEvaluation]
 
@@ -326,6 +345,23 @@ def client_policy(context: Context) -> SecAggPolicy:
             from None
 
 
+SECURITY_KEY = "secagg-security"  # node config: "malicious" refuses a semi-honest SETUP
+
+
+def client_security(context: Context) -> str:
+    """The least security this node accepts: node config ``secagg-security``."""
+    value = context.node_config.get(SECURITY_KEY, SEMI_HONEST)
+    if value not in SECURITY_MODES:
+        raise ValueError(f"node config '{SECURITY_KEY}' must be one of "
+                         f"{', '.join(SECURITY_MODES)}, got {value!r}")
+    return str(value)
+
+
+def node_identity(context: Context) -> tuple[Identity, TrustedKeys] | None:
+    """The default :data:`IdentityFn`: the node config's (``client.secagg_identity``)."""
+    return secagg_identity(context.node_config)
+
+
 def _partition(context: Context) -> int:
     pid = context.node_config.get(NodeConfigKey.PARTITION_ID)
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else int(context.node_id)
@@ -359,9 +395,18 @@ class SecureClient:
     local-update function and an evaluation function."""
 
     def __init__(self, local_update: LocalUpdateFn,
-                 evaluation: EvaluationFn | None = None) -> None:
+                 evaluation: EvaluationFn | None = None,
+                 identity: IdentityFn = node_identity) -> None:
         self._local_update = local_update
         self._evaluation = evaluation
+        self._identity = identity
+
+    def _own(self, context: Context) -> dict[str, Any]:
+        """This node's own session settings: its policy, identity and least security."""
+        found = self._identity(context)
+        identity, trusted = found if found is not None else (None, None)
+        return {"policy": client_policy(context), "identity": identity, "trusted": trusted,
+                "security": client_security(context)}
 
     def train(self, msg: Message, context: Context) -> Message:
         """Train, quantize the weighted delta, keep it in the state; answer SETUP."""
@@ -397,7 +442,7 @@ class SecureClient:
             raise ProtocolError(f"{setup.n} clients' evaluation words up to {words.level} "
                                 f"can wrap a {setup.bits}-bit sum")
         session = SecAggClient(int(context.node_id), run_id=s[SecAggKey.RUN], round_id=rnd,
-                               policy=client_policy(context))
+                               **self._own(context))
         reply = session.handle(payload)  # refuses a session below policy before evaluating
         figures = self._evaluation(msg, context)
         quantized = _input_words(setup.dim, setup.bits)
@@ -455,7 +500,7 @@ class SecureClient:
             raise InjectedDropout("simulated dropout at stage advertise_keys")
         setup = decode_setup(payload)[1]
         session = SecAggClient(int(context.node_id), run_id=s[SecAggKey.RUN], round_id=rnd,
-                               policy=client_policy(context))
+                               **self._own(context))
         reply = session.handle(payload)  # refuses a session below policy before training
         update = local_update()
         distributed, dp_clip = dp_settings(msg.content[SecAggRecord.PROTOCOL])
@@ -515,7 +560,7 @@ class SecureClient:
         if isinstance(drop, int) and not isinstance(drop, bool) and 0 <= drop <= stage:
             raise InjectedDropout(f"simulated dropout at stage {Stage(drop).name.lower()}")
         session = SecAggClient.from_state(stored["state"], threads=mask_threads(context),
-                                          policy=client_policy(context))
+                                          **self._own(context))
         if kind is MsgType.FORWARDED_SHARES:
             record = context.state.get(INPUT)
             if not isinstance(record, ArrayRecord) or "input" not in record:
@@ -544,10 +589,12 @@ class SecureClient:
 
 
 def register_secagg(app: ClientApp, local_update: LocalUpdateFn,
-                    evaluation: EvaluationFn | None = None) -> SecureClient:
+                    evaluation: EvaluationFn | None = None,
+                    identity: IdentityFn = node_identity) -> SecureClient:
     """Route ``train.secagg``, ``train.secagg_hold``, ``query.secagg`` and (with
-    ``evaluation``) ``evaluate.secagg`` messages of ``app`` to a SecureClient."""
-    client = SecureClient(local_update, evaluation)
+    ``evaluation``) ``evaluate.secagg`` messages of ``app`` to a SecureClient whose
+    SecAgg+ identity comes from ``identity`` (default: the node config)."""
+    client = SecureClient(local_update, evaluation, identity)
     app.train(SecAggAction.SECAGG)(client.train)
     app.train(SecAggAction.HOLD)(client.hold)
     app.query(SecAggAction.SECAGG)(client.query)

@@ -32,7 +32,11 @@ delta, and the server learns only the sum over the round's survivors (see
   round (rounded at random to a whole number, so ``dropout * clients`` on average; each
   client independently with this probability where a node does not know how many
   partitions there are), at ``dropout_stage`` ("random", or advertise_keys, share_keys,
-  masked_input or unmasking), decided by ``client.protocol.secagg.dropout_stage``.
+  masked_input or unmasking), decided by ``client.protocol.secagg.dropout_stage``;
+- ``security``: "semi_honest" (the default: against an honest-but-curious server) or
+  "malicious" (against a server that lies: signed key advertisements, a graph derived
+  from them, a consistency check before unmasking, ``privacy.secagg.malicious``); every
+  client then needs a SecAgg+ identity (``client.secagg_identity``).
 
 The settings can only be as strict as ``privacy.secagg.policy`` or stricter: weaker
 ones fail at start naming the key and its minimum, and every client checks the session
@@ -52,6 +56,7 @@ from privacy.secagg.params import (
     MIN_NEIGHBORS,
     MIN_SURVIVORS,
     SECURITY_BITS,
+    SECURITY_MODES,
     exposed_fraction,
     meets_security,
 )
@@ -83,6 +88,7 @@ class SecAggScenarioConfig:
     dropout_stage: str = "random"
     min_survivors: int = MIN_SURVIVORS
     corrupt_fraction: float = DEFAULT_CORRUPT_FRACTION
+    security: str = "semi_honest"
 
     def __post_init__(self) -> None:
         k, t = self.neighbors, self.threshold
@@ -148,6 +154,10 @@ class SecAggScenarioConfig:
         if self.dropout_stage not in ("random", *STAGE_NAMES):
             raise ValueError(f"secagg.dropout_stage must be 'random' or one of "
                              f"{', '.join(STAGE_NAMES)}, got '{self.dropout_stage}'")
+        if self.security not in SECURITY_MODES:
+            raise ValueError(f"secagg.security must be one of {', '.join(SECURITY_MODES)} "
+                             f"(\"malicious\": against a server that lies), "
+                             f"got {self.security!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SecAggScenarioConfig:

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from server.dp import DPController
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
+MALICIOUS_STAGES = (*STAGES[:3], Stage.CONSISTENCY_CHECK, Stage.UNMASKING)
 
 
 def stage_name(stage: Stage) -> str:
@@ -249,8 +250,9 @@ class SecAggSession:
         outcome.clip_range = 0.0 if stats is None else settings.start_range
         server = SecAggServer(SessionParams.create(participants, words, bits=settings.bits,
                                                    k=k, t=t, run_id=self.protocol_id,
-                                                   round_id=rnd),
+                                                   round_id=rnd, security=settings.security),
                               settings.policy)
+        malicious = server.config.malicious
         common = {SecAggKey.RUN: self.protocol_id, SecAggKey.ROUND: rnd,
                   SecAggKey.DROPOUT: settings.dropout,
                   SecAggKey.DROPOUT_STAGE: settings.dropout_stage}
@@ -303,14 +305,16 @@ class SecAggSession:
                                   on_reply=receive)
             outbox, make = server.advance(), later
             outcome.stage_seconds[stage_name(stage)] = time.perf_counter() - started
-            if plan is not None and server.stage is Stage.UNMASKING and \
-                    server.status is Status.RUNNING:
+            reveal = Stage.CONSISTENCY_CHECK if malicious else Stage.UNMASKING
+            if plan is not None and server.stage is reveal and stage is Stage.MASKED_INPUT \
+                    and server.status is Status.RUNNING:
                 assert dp is not None
                 stop = _over_budget(dp, plan, len(server.survivors), len(participants))
                 if stop:
                     outcome.abort_reason = stop
                     break
-        outcome.dropouts = {stage_name(s): sorted(server.dropouts.get(s, ())) for s in STAGES}
+        stages = MALICIOUS_STAGES if malicious else STAGES
+        outcome.dropouts = {stage_name(s): sorted(server.dropouts.get(s, ())) for s in stages}
         outcome.rejected = dict(sorted(server.rejected.items()))
         outcome.excluded = dict(sorted(server.excluded.items()))
         outcome.survivors = sorted(server.survivors)

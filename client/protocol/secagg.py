@@ -116,6 +116,7 @@ STAGE_NAMES = ("advertise_keys", "share_keys", "masked_input", "unmasking")
 #: The stage a client's reply to each server message belongs to.
 REPLY_STAGE = {MsgType.SETUP: Stage.ADVERTISE_KEYS, MsgType.PUBLIC_KEYS: Stage.SHARE_KEYS,
                MsgType.FORWARDED_SHARES: Stage.MASKED_INPUT,
+               MsgType.CONSISTENCY_CHECK: Stage.CONSISTENCY_CHECK,  # malicious mode only
                MsgType.UNMASK_REQUEST: Stage.UNMASKING}
 
 

@@ -58,7 +58,7 @@ from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.graph import component_of, regular_graph
 from privacy.secagg.identity import TrustedKeys
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
-from privacy.secagg.params import SessionParams
+from privacy.secagg.params import DEFAULT_CORRUPT_FRACTION, SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.prg import combine
 from privacy.secagg.shamir import reconstruct_secret, reconstruct_secrets
@@ -430,11 +430,17 @@ class SecAggServer:
 
     def _close_consistency_check(self) -> dict[int, bytes]:
         self._signatures = dict(self._received)  # type: ignore[arg-type]
-        need = mal.quorum(len(self.advertised), self.config.t, self.policy.corrupt_fraction)
+        need = self._quorum()
         if len(self._signatures) < need:
             raise Aborted(f"{len(self._signatures)} consistency signatures, {need} needed; "
                           "no share was requested")
         return self._unmask_requests(frozenset(self._signatures))
+
+    def _quorum(self) -> int:
+        """The consistency signatures forwarded: the quorum of this policy, or of the
+        default one (the clients') where that asks for more."""
+        fraction = max(self.policy.corrupt_fraction, DEFAULT_CORRUPT_FRACTION)
+        return mal.quorum(len(self.advertised), self.config.t, fraction)
 
     def _unmask_requests(self, responders: frozenset[int]) -> dict[int, bytes]:
         """Check that every needed secret has t holders among ``responders`` (the survivors,
@@ -460,7 +466,7 @@ class SecAggServer:
                 )
         self._dropped_needed = dropped
         malicious = self.config.malicious
-        need = mal.quorum(len(self.advertised), t, self.policy.corrupt_fraction)
+        need = self._quorum()
         signed = tuple(msg.SignedSet(self._keys[w], self._signatures[w])
                        for w in sorted(self._signatures)[:need]) if malicious else ()
         out = {}
