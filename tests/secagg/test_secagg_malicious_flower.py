@@ -122,6 +122,6 @@ def test_substituted_key_in_transit_is_refused_by_the_clients() -> None:
 
 
 def test_security_key_is_checked() -> None:
-    with pytest.raises(ValueError, match="secagg.security must be one of semi_honest, "
-                                         "malicious"):
+    with pytest.raises(ValueError, match=r"secagg\.security must be one of semi_honest, "
+                                         r"malicious"):
         SecAggScenarioConfig(security="paranoid")
