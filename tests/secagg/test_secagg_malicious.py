@@ -9,6 +9,7 @@ hold) and rebuild an honest client's input from its masked vector.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
 
@@ -491,3 +492,33 @@ def test_quorum_needs_more_than_half_the_list() -> None:
 
 def test_policy_of_the_server_is_unchanged_for_semi_honest() -> None:
     assert DEFAULT_POLICY.violation(SessionParams.create(range(1, 8), DIM)) is None
+
+
+def test_malicious_decoders_refuse_mangled_messages_with_protocol_errors() -> None:
+    """Every malicious-mode message cut short, extended or flipped: a ProtocolError or a
+    decoded message, nothing else."""
+    r = LyingRound(7)
+    samples: dict[MsgType, bytes] = {}
+    while r.server.status is Status.RUNNING:
+        for payload in r.outbox.values():
+            samples.setdefault(msg.read_header(payload).kind, payload)
+        r.step()
+    samples.update({kind: p for (kind, _), p in r.sent.items()})
+    decoders = {MsgType.PUBLIC_KEYS: lambda d: msg.decode_public_keys(d, signed=True),
+                MsgType.UNMASK_REQUEST: lambda d: msg.decode_unmask_request(d, signed=True)}
+    rng = np.random.default_rng(0)
+    assert {MsgType.CONSISTENCY_CHECK, MsgType.CONSISTENCY_SIGNATURE} <= samples.keys()
+    for kind, data in samples.items():
+        decode = decoders.get(kind, msg.DECODERS[kind])
+        decode(data)
+        for _ in range(40):
+            bad = bytearray(data)
+            choice = rng.integers(3)
+            if choice == 0:
+                bad = bad[: rng.integers(len(bad))]
+            elif choice == 1:
+                bad += bytes(rng.integers(1, 9))
+            else:
+                bad[rng.integers(len(bad))] ^= 1 << int(rng.integers(8))
+            with contextlib.suppress(ProtocolError):
+                decode(bytes(bad))
