@@ -104,6 +104,8 @@ from client.protocol.secagg import (
     dropout_stage,
     eval_words,
 )
+from client.secagg_identity import IDENTITY as IDENTITY_KEY
+from client.secagg_identity import TRUSTED as TRUSTED_KEYS
 from client.secagg_identity import secagg_identity
 from privacy.dp import DistributedDPPlan, clip_l2, distributed_encode
 from privacy.dp.distributed import clip_l2_exact
@@ -401,9 +403,16 @@ class SecureClient:
         self._evaluation = evaluation
         self._identity = identity
 
-    def _own(self, context: Context) -> dict[str, Any]:
-        """This node's own session settings: its policy, identity and least security."""
+    def _own(self, context: Context, malicious: bool = False) -> dict[str, Any]:
+        """This node's own session settings: its policy, identity and least security
+        (``malicious``: a malicious SETUP, refused, naming the node config keys to set,
+        when the node has no identity)."""
         found = self._identity(context)
+        if malicious and found is None:
+            raise ProtocolError(
+                "SETUP asks for malicious security; this client has no identity key: give "
+                f"the node its SecAgg+ identity in its node config ('{IDENTITY_KEY}' and "
+                f"'{TRUSTED_KEYS}', which fedring certs writes)")
         identity, trusted = found if found is not None else (None, None)
         return {"policy": client_policy(context), "identity": identity, "trusted": trusted,
                 "security": client_security(context)}
@@ -442,7 +451,7 @@ class SecureClient:
             raise ProtocolError(f"{setup.n} clients' evaluation words up to {words.level} "
                                 f"can wrap a {setup.bits}-bit sum")
         session = SecAggClient(int(context.node_id), run_id=s[SecAggKey.RUN], round_id=rnd,
-                               **self._own(context))
+                               **self._own(context, setup.malicious))
         reply = session.handle(payload)  # refuses a session below policy before evaluating
         figures = self._evaluation(msg, context)
         quantized = _input_words(setup.dim, setup.bits)
@@ -500,7 +509,7 @@ class SecureClient:
             raise InjectedDropout("simulated dropout at stage advertise_keys")
         setup = decode_setup(payload)[1]
         session = SecAggClient(int(context.node_id), run_id=s[SecAggKey.RUN], round_id=rnd,
-                               **self._own(context))
+                               **self._own(context, setup.malicious))
         reply = session.handle(payload)  # refuses a session below policy before training
         update = local_update()
         distributed, dp_clip = dp_settings(msg.content[SecAggRecord.PROTOCOL])

@@ -76,7 +76,7 @@ from privacy.secagg.quantize import LOSS_RANGE, StatWords, max_level
 from server.compression import RoundPattern
 from server.grid_io import collect, push
 from server.secagg_config import SecAggScenarioConfig
-from server.secure_outcome import SecureRoundOutcome
+from server.secure_outcome import SecureRoundOutcome, with_refusals
 from server.settle import unreachable
 
 if TYPE_CHECKING:
@@ -223,7 +223,8 @@ class SecAggSession:
         if evaluation is not None and dp is not None:
             raise ValueError("a secure evaluation takes no DP, compression or held updates")
         participants = sorted(int(n) for n in nodes)
-        outcome = SecureRoundOutcome(status="aborted", participants=participants, round=rnd)
+        outcome = SecureRoundOutcome(status="aborted", participants=participants, round=rnd,
+                                     security=settings.security)
         plan: DistributedDPPlan | None = None
         try:
             k, t = settings.graph(len(participants))
@@ -321,7 +322,8 @@ class SecAggSession:
         outcome.server_seconds = {stage_name(s): v for s, v in server.seconds.items()}
         outcome.server_cpu_seconds = {stage_name(s): v for s, v in server.cpu_seconds.items()}
         if server.status is not Status.COMPLETED:
-            outcome.abort_reason = outcome.abort_reason or server.abort_reason
+            outcome.abort_reason = outcome.abort_reason or with_refusals(
+                server.abort_reason, outcome.errors)
             return outcome
         if evaluation is not None:
             total, weight = None, 0.0

@@ -16,6 +16,22 @@ if TYPE_CHECKING:
     from server.store import Store
 
 
+REFUSED = "message refused"  # an error reply of a client that refused what it was sent
+
+
+def with_refusals(abort_reason: str | None, errors: dict[int, str]) -> str | None:
+    """``abort_reason`` followed by the clients' own reason where some refused what the
+    server sent (the most common refusal, and how many gave it): what an operator must fix
+    (e.g. nodes without the SecAgg+ identity a malicious session needs) rather than the
+    count of clients left that the server saw."""
+    refused = [why for why in errors.values() if REFUSED in why]
+    if abort_reason is None or not refused:
+        return abort_reason
+    reason = max(sorted(set(refused)), key=refused.count)
+    count = refused.count(reason)
+    return f"{abort_reason}; {count} client{'s' if count > 1 else ''} answered: {reason}"
+
+
 @dataclass
 class SecureRoundOutcome:
     """What one secure round produced and what happened to each participant."""
@@ -46,6 +62,7 @@ class SecureRoundOutcome:
     examples: float = 0.0  # the survivors' examples (those reporting a loss), from the sum
     loss_sum: float = 0.0  # their sum of examples * train_loss, from the sum
     evaluation: EvalTotals | None = None  # a secure evaluation's decoded totals
+    security: str = "semi_honest"  # the threat model the session held against
 
     def session_record(self) -> dict[str, Any]:
         """The stored secure-aggregation session (``Store.record_secagg_round``'s keys)."""
@@ -53,7 +70,7 @@ class SecureRoundOutcome:
                 "participants": self.participants, "dropouts": self.dropouts,
                 "survivors": self.survivors, "rejected": self.rejected,
                 "excluded": self.excluded, "abort_reason": self.abort_reason,
-                "seconds": self.stage_seconds}
+                "seconds": self.stage_seconds, "security": self.security}
 
     def save(self, store: Store, run_id: str, rnd: int) -> None:
         """Store the session as round ``rnd``'s (``Store.record_secagg_round``)."""

@@ -50,6 +50,18 @@ def build_task(config: Mapping[str, Any]) -> Any:
     return task
 
 
+def run_pki(config: Mapping[str, Any]) -> Any:
+    """A simulated run's SecAgg+ PKI (``simulations.secagg_pki``): one identity per client
+    when the scenario runs secure aggregation with ``secagg.security = "malicious"``, else
+    None (a semi-honest run's nodes need no identity, and get none)."""
+    secagg = config.get("secagg") or {}
+    if not secagg.get("enabled") or secagg.get("security") != "malicious":
+        return None
+    from simulations.secagg_pki import make_pki
+
+    return make_pki(int(config["federation"]["clients"]))
+
+
 def cohort_hook(vectorize: Any) -> Any:
     """The in-process engine's cohort hook for ``engine.vectorize`` (``client.vectorized``)."""
     from client.app import FedringClient

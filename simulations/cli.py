@@ -67,6 +67,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         client_app,
         cohort_hook,
         config_from_run_config,
+        run_pki,
         spec_from_run_config,
     )
     from simulations.attacks import omniscient_attack
@@ -88,6 +89,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
                                  resume=resume, clock=None if cross_silo else make_clock,
                                  observe=open_tracking, pre_combine=omniscient_attack)
     clients = config["federation"]["clients"]
+    pki = run_pki(config)  # malicious-mode secure aggregation: each node's identity
     if engine == "inprocess":
         from simulations.inprocess import InProcessGrid
 
@@ -95,9 +97,10 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
             from simulations.module_task import make_task
             from simulations.silo_engine import ConcurrentGrid, silo_client_app
 
-            grid = ConcurrentGrid(silo_client_app(make_task, spec_from_run_config), clients)
+            grid = ConcurrentGrid(silo_client_app(make_task, spec_from_run_config), clients,
+                                  pki=pki)
         else:
-            grid = InProcessGrid(client_app, clients,
+            grid = InProcessGrid(client_app, clients, pki=pki,
                                  cohort_hook=cohort_hook(
                                      config.get("engine", {}).get("vectorize", False)))
         server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
@@ -107,7 +110,7 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
         from simulations.flower_engine import run_on_ray
 
         run_on_ray(server_app, client_app, num_supernodes=clients,
-                   engine=engine_on(device, EngineConfig(**config.get("engine", {}))))
+                   engine=engine_on(device, EngineConfig(**config.get("engine", {}))), pki=pki)
     else:
         raise ValueError(f"unknown engine '{engine}'; choose one of: {', '.join(ENGINES)}")
     if not result:
@@ -340,8 +343,8 @@ def _print_rounds(console: Any, title: str, rows: list[dict[str, object]], *,
             console.print()
         console.print(table_of(group, titled=not i))
     if not wide:
-        console.print("more columns (version, sampled, secure rounds' k/t and survivors, "
-                      "bytes, train loss, the clients' accuracy spread, ...): --wide")
+        console.print("more columns (version, sampled, secure rounds' k/t, survivors and "
+                      "security, bytes, train loss, the clients' accuracy spread, ...): --wide")
 
 
 def _print_updates(console: Any, title: str, updates: list[dict[str, Any]],

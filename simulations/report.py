@@ -12,6 +12,7 @@ from typing import Any
 
 from server.spread import COUNT, LOSS, PERSONAL, STATS, accuracy_key
 from server.store import RoundInfo, RunInfo, Store, UpdateRecord
+from server.store.models import SEMI_HONEST
 
 SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
                   "masked_input": "drop@input", "unmasking": "drop@unmask"}
@@ -42,7 +43,8 @@ def round_table(rounds: list[RoundInfo],
     """One row per round with the metrics and the fate counts of its updates.
 
     With the run's secure rounds (``Store.secagg_rounds``), each such round also shows
-    k/t, the survivors and the dropouts of every protocol stage.
+    k/t, the survivors, the dropouts of every protocol stage and the threat model the
+    session held against (``security``: "semi_honest" or "malicious").
     """
     secure = {s["round"]: s for s in secagg or []}
     rows = []
@@ -54,6 +56,7 @@ def round_table(rounds: list[RoundInfo],
         if r.round in secure:
             s = secure[r.round]
             row["k/t"] = f"{s['k']}/{s['t']}"
+            row["security"] = s.get("security") or SEMI_HONEST
             row["survivors"] = s["num_survivors"]
             for stage, column in SECAGG_COLUMNS.items():
                 row[column] = len(s["dropouts"].get(stage, ()))

@@ -35,6 +35,9 @@ from sqlalchemy.types import TypeDecorator
 __all__ = ["Base", "CheckpointRow", "EvalRow", "LedgerRow", "RoundRow", "RunRow",
            "SecAggRoundRow", "UTCDateTime", "UpdateRow"]
 
+SEMI_HONEST = "semi_honest"  # secagg_rounds.security of rows recorded before the column
+SECAGG_SECURITY = (SEMI_HONEST, "malicious")  # secagg_rounds.security's values
+
 # Explicit constraint names keep the schema stable across back ends (and alembic happy).
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -214,7 +217,9 @@ class SecAggRoundRow(OneRowPerRound, Base):
     """One secure-aggregation round: who took part, who dropped at which stage, the outcome.
 
     Client ids are strings (as in ``updates``); ``dropouts`` maps each stage name to the
-    clients that did not answer it, ``rejected`` and ``excluded`` map a client to why.
+    clients that did not answer it, ``rejected`` and ``excluded`` map a client to why;
+    ``security`` is the threat model the session held against ("semi_honest" or
+    "malicious"; rows from before it was recorded read "semi_honest").
     """
 
     __tablename__ = "secagg_rounds"
@@ -231,3 +236,4 @@ class SecAggRoundRow(OneRowPerRound, Base):
     excluded: Mapped[dict] = mapped_column(JSON)
     abort_reason: Mapped[str | None] = mapped_column(String)
     seconds: Mapped[dict] = mapped_column(JSON)
+    security: Mapped[str] = mapped_column(String(16), server_default=SEMI_HONEST)

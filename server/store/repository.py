@@ -33,6 +33,8 @@ from .checkpoints import BackgroundWriter, check_checkpoint_args, seal, unseal
 from .engine import create_schema, make_engine, parse_url
 from .errors import StoreError, UnknownRun
 from .models import (
+    SECAGG_SECURITY,
+    SEMI_HONEST,
     Base,
     CheckpointRow,
     EvalRow,
@@ -462,10 +464,12 @@ class Store:
                             survivors: Sequence[Any], rejected: Mapping[Any, str],
                             excluded: Mapping[Any, str] | None = None,
                             abort_reason: str | None = None,
-                            seconds: Mapping[str, float] | None = None) -> None:
+                            seconds: Mapping[str, float] | None = None,
+                            security: str = SEMI_HONEST) -> None:
         """Record one secure round (replaces a re-record): status "completed" or "aborted".
 
-        Client ids are stored as strings; ``dropouts`` maps a stage name to its dropouts.
+        Client ids are stored as strings; ``dropouts`` maps a stage name to its dropouts;
+        ``security`` is the session's threat model ("semi_honest" or "malicious").
         """
         rnd = check_int(round, "round", minimum=0)
         where = f"secure round {rnd}"
@@ -482,6 +486,7 @@ class Store:
             "excluded": {str(c): str(why) for c, why in (excluded or {}).items()},
             "abort_reason": None if abort_reason is None else str(abort_reason),
             "seconds": metrics_to_json(seconds, f"{where}: seconds"),
+            "security": check_status(security, SECAGG_SECURITY, f"{where}: security"),
         }
         with self._session() as s, s.begin():
             self._run_row(s, run_id)

@@ -203,7 +203,7 @@ def test_a_store_at_0003_gains_the_evaluations_and_keeps_its_rounds(new_url: Any
         conn.execute(text("INSERT INTO updates (run_id, round, client_id, fate, metrics) "
                           "VALUES ('r1', 1, 'c1', 'accepted', '{}')"))
     engine.dispose()
-    assert upgrade(url) == head() == "0004"
+    assert upgrade(url, "0004") == "0004" and upgrade(url) == head()
     assert schema_of(url)["evaluations"]["indexes"] == [
         ("ix_evaluations_run_id_round", ["run_id", "round"], False)]
     with Store(url) as store:

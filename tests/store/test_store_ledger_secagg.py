@@ -46,7 +46,7 @@ def test_secure_round_round_trip_and_re_record(store: Store):
                    "num_survivors": 3, "participants": ["1", "2", "3", "4"],
                    "dropouts": {"unmask": ["4"]}, "survivors": ["1", "2", "3"],
                    "rejected": {"5": "bad ciphertext"}, "excluded": {"2": "late"},
-                   "abort_reason": None}
+                   "abort_reason": None, "security": "semi_honest"}
 
 
 def test_reopen_forgets_everything_after_the_checkpoint(store: Store):
