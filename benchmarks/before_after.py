@@ -13,6 +13,7 @@ on the protocol). A refactor that changes no behaviour should leave every ratio 
 the spread of the values.
 
     python benchmarks/before_after.py --baseline TREE [--after TREE] [--quick] [--reps R]
+        [--parts simulation,secagg]
         [--sizes 10x10k,100x10k,10x1m] [--secagg-sizes 100x100000,100x1000000]
         [--variants auto_1t,auto]
 
@@ -101,8 +102,12 @@ def measure(tree: Path, args: argparse.Namespace) -> dict[str, float]:
         sec = ["--sizes", args.secagg_sizes or FULL["secagg_sizes"], "--variants",
                args.variants or FULL["variants"], "--no-flower", "--no-dropouts",
                "--reps", "2"]
-    return {**simulation_figures(run_script(tree, "simulation_overhead.py", sim)),
-            **secagg_figures(run_script(tree, "secagg.py", sec))}
+    out = {}
+    if "simulation" in args.parts:
+        out.update(simulation_figures(run_script(tree, "simulation_overhead.py", sim)))
+    if "secagg" in args.parts:
+        out.update(secagg_figures(run_script(tree, "secagg.py", sec)))
+    return out
 
 
 def compare(rows: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, Any]]:
@@ -124,11 +129,16 @@ def main() -> None:
                         help="the checkout with the change (default: this one)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repetition")
     parser.add_argument("--reps", type=int, default=None, help="alternations (default 6)")
+    parser.add_argument("--parts", default="simulation,secagg",
+                        type=lambda text: tuple(text.split(",")),
+                        help="what to measure: simulation, secagg or both (the default)")
     parser.add_argument("--sizes", default=None, help=f"simulation sizes ({FULL['sizes']})")
     parser.add_argument("--secagg-sizes", default=None,
                         help=f"SecAgg+ sizes, N x d ({FULL['secagg_sizes']})")
     parser.add_argument("--variants", default=None, help=f"SecAgg+ variants ({FULL['variants']})")
     args = parser.parse_args()
+    if not args.parts or set(args.parts) - {"simulation", "secagg"}:
+        parser.error("--parts takes simulation, secagg or both, comma-separated")
     trees = {"before": Path(args.baseline).resolve(), "after": Path(args.after).resolve()}
     for name, tree in trees.items():
         if not (tree / "benchmarks" / "secagg.py").exists():
