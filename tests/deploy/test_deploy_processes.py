@@ -177,6 +177,29 @@ def test_supernode_without_registered_key_is_refused(fed: dict[str, Any]) -> Non
                if r["name"].startswith("supernode-"))
 
 
+def test_supernodes_get_their_secagg_identity(fed: dict[str, Any]) -> None:
+    """Each started SuperNode's node config names its own identity key and the trusted keys,
+    as flower-supernode parsed it (the nodes connected with it)."""
+    from flwr.common.config import parse_config_args
+
+    from client.secagg_identity import secagg_identity
+    from privacy.secagg.identity import Identity
+
+    certs = Path(fed["state"]["certs"])
+    nodes = {r["name"]: r["cmd"] for r in fed["state"]["processes"]
+             if r["name"].startswith("supernode-")}
+    publics = set()
+    for i in range(NODES):
+        cmd = nodes[f"supernode-{i}"]
+        loaded = secagg_identity(parse_config_args([cmd[cmd.index("--node-config") + 1]]))
+        assert loaded is not None
+        identity, trusted = loaded
+        own = Identity.from_pem((certs / f"node-{i}.secagg").read_bytes())
+        assert identity.public == own.public and len(trusted) == NODES
+        publics.add(identity.public)
+    assert publics == trusted.keys
+
+
 def test_supernode_killed_mid_round_is_a_dropout(fed: dict[str, Any]) -> None:
     state = fed["state"]
     procs = {r["name"]: r for r in state["processes"]}
