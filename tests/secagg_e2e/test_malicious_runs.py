@@ -72,3 +72,18 @@ def test_malicious_nodes_without_identity_fail_the_round_with_their_reason(
     for _, u in [(rnd, update), *others]:
         assert u.fate == "dropped" and "no identity key" in u.reason
         assert "secagg-identity-key" in u.reason
+
+
+@pytest.mark.slow
+def test_flower_engine_malicious_run_gets_its_pki(db_url, store):
+    """Flower's Ray engine: the run's PKI reaches each virtual node's ClientApp."""
+    from simulations.cli import run_simulation
+
+    cfg = load_scenario("default", ["federation.clients=3", "federation.rounds=1",
+                                    "train.local_epochs=1", "secagg.enabled=true",
+                                    "secagg.security=malicious"])
+    summary = run_simulation(cfg, engine="flower", db=db_url)
+    assert summary["versions"] == 1
+    [row] = store.secagg_rounds(summary["run_id"])
+    assert (row["status"], row["security"], row["num_survivors"]) == ("completed",
+                                                                     "malicious", 3)
