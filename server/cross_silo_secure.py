@@ -10,13 +10,16 @@ client (``client.secure_client``) and the round is a secure round
                    + the silo's ring place   (each silo masks its quantized update, or its
                                               noisy integer update under distributed DP,
                                               and allreduces the words mod 2^bits)
+    query.secagg   CONSISTENCY_CHECK    -> CONSISTENCY_SIGNATURE  (secagg.security =
+                                              "malicious" only: each silo signs the
+                                              survivor set)
     query.secagg   UNMASK_REQUEST       -> UNMASK_RESPONSE  (self-mask shares)
 
 The server checks the digests as in a plain cross-silo round, hands the masked sum to
 the session (``SecAggServer.receive_sum``), which never holds one silo's vector, then
-removes the self-masks and decodes the sum. Silos that do not answer a key or unmasking
-stage drop out as in any secure round (the ring is formed from those still in the
-protocol) and take no further part. A ring that fails fails the round as in plain
+removes the self-masks and decodes the sum. Silos that do not answer a key, consistency
+or unmasking stage drop out as in any secure round (the ring is formed from those still
+in the protocol) and take no further part. A ring that fails fails the round as in plain
 cross-silo rounds: masked vectors cannot be taken back out of a partial sum, so there is
 no recovery inside the ring.
 
@@ -39,7 +42,8 @@ from server.secure_aggregation import SecureAggregation, secure_result
 from server.secure_outcome import SecureRoundOutcome
 from server.store import UpdateRecord
 
-KEY_STAGES = ("advertise_keys", "share_keys", "unmasking")  # dropouts there are the silo's
+KEY_STAGES = ("advertise_keys", "share_keys", "consistency_check",
+              "unmasking")  # dropouts there are the silo's
 
 
 class RingStage:

@@ -18,6 +18,11 @@ stored ``weight`` is s(tau); the example count and the norm stay hidden. The buf
 training loss and clipped count come from the sum's stat words (``server.secagg_session``),
 the example-weighted mean over the survivors, as a plain buffer's.
 
+With ``secagg.security = "malicious"`` the buffer's session is a malicious-mode one like
+any other (``server.secagg_session``): the SETUP says so, the clients sign their key
+advertisements and the survivor set with their SecAgg+ identities, and the session
+records the mode.
+
 With top-k on a shared pattern (``[compression]``) the pattern is the buffer's round's:
 each client picks those coordinates of the delta it holds once SETUP comes, so the
 buffer's clients line up whatever model version each trained from.

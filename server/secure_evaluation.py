@@ -25,6 +25,8 @@ of the clients' accuracies, std, p10, p90 or min). Each cohort member gets one r
 accepted (a survivor; its figures None, as they are unknown), dropped (the stage and
 why) or rejected (why: a refused message, an aborted session, inconsistent totals).
 Evaluation is not covered by the DP accounting; the session runs without DP noise.
+With ``secagg.security = "malicious"`` the evaluation session holds against a lying
+server as a training session does (signed advertisements, the consistency check).
 
 The session itself (k, t, dropouts by stage, seconds) is :attr:`SecureEvaluation.outcome`
 (``session_record()``); the store's ``secagg_rounds`` table keeps one session per round,

@@ -159,3 +159,28 @@ def test_secure_evaluation_refuses_a_lying_server(run_inprocess, store):
     assert REFUSAL in (answer.reason or "")
     assert not any(REFUSAL in u.reason for _, u in store.updates(summary["run_id"])
                    if u.reason)  # the training session was told the truth
+
+
+@pytest.mark.slow
+def test_a_silo_silent_in_the_consistency_check_takes_no_further_part(run_inprocess, store):
+    """Silo 4 fails its round-1 consistency check: the other three sign (a quorum of the
+    four listed), the round completes with its masked input, and round 2 runs without it,
+    as after a silo silent in a key stage."""
+    app = silo_app()
+
+    def silent_once(message: Message, context: Context) -> Message:
+        record = message.content.get(SecAggRecord.PROTOCOL)
+        payload = record.get(SecAggKey.MSG) if isinstance(record, ConfigRecord) else None
+        if int(context.node_id) == 4 and message.metadata.group_id == "1" and \
+                isinstance(payload, bytes) and \
+                msg.read_header(payload).kind is MsgType.CONSISTENCY_CHECK:
+            raise RuntimeError("silo 4 went away")
+        return app(message, context)
+
+    grid = ConcurrentGrid(silent_once, 4, pki=make_pki(4))
+    summary = run_inprocess(load_scenario("default", [
+        "federation.clients=4", "federation.rounds=2", "federation.min_clients=2",
+        "driver.kind=cross_silo", *COMMON, MALICIOUS]), grid=grid)
+    first, second = store.secagg_rounds(summary["run_id"])
+    assert first["status"] == "completed" and first["dropouts"]["consistency_check"] == ["4"]
+    assert second["status"] == "completed" and second["participants"] == ["1", "2", "3"]
