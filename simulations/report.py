@@ -15,7 +15,8 @@ from server.store import RoundInfo, RunInfo, Store, UpdateRecord
 from server.store.models import SEMI_HONEST
 
 SECAGG_COLUMNS = {"advertise_keys": "drop@keys", "share_keys": "drop@shares",
-                  "masked_input": "drop@input", "unmasking": "drop@unmask"}
+                  "masked_input": "drop@input", "consistency_check": "drop@check",
+                  "unmasking": "drop@unmask"}  # drop@check: malicious-mode sessions only
 # the federated evaluation's columns: the global model's, then the clients' own models'
 FEDERATED_COLUMNS = tuple(accuracy_key(stat, personal=personal)
                           for personal in (False, True) for stat in (None, "p10", "min"))
@@ -59,7 +60,8 @@ def round_table(rounds: list[RoundInfo],
             row["security"] = s.get("security") or SEMI_HONEST
             row["survivors"] = s["num_survivors"]
             for stage, column in SECAGG_COLUMNS.items():
-                row[column] = len(s["dropouts"].get(stage, ()))
+                if stage in s["dropouts"] or stage != "consistency_check":
+                    row[column] = len(s["dropouts"].get(stage, ()))
         for key in sorted(r.metrics):
             value = r.metrics[key]  # bytes on the wire are whole numbers
             row[key] = int(value) if key.startswith("bytes_") and isinstance(value, float) \

@@ -46,6 +46,12 @@ def test_simulate_malicious_reaches_the_semi_honest_model_and_records_the_mode(t
     assert all(r["status"] == "completed" and "consistency_check" in r["dropouts"]
                for r in malicious)
     assert [row.get("security") for row in rows] == [None, "malicious", "malicious"]
+    assert [row.get("drop@check") for row in rows] == [None, 0, 0]
+    with Store(db) as store:  # a semi-honest session has no consistency stage to show
+        plain_rows = round_table(store.rounds(plain["run_id"]),
+                                 store.secagg_rounds(plain["run_id"]))
+    assert [("drop@check" in row, row.get("security")) for row in plain_rows] == [
+        (False, None), (False, "semi_honest"), (False, "semi_honest")]
 
 
 def test_the_pki_is_made_only_for_malicious_secure_runs():
