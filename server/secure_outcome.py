@@ -107,7 +107,9 @@ class SecureRoundOutcome:
             if node in self.rejected:
                 out.append(UpdateRecord(cid, "rejected", reason=self.rejected[node]))
             elif node in self.survivors and self.status == "completed":
-                reason = (f"masked input counted; no unmask reply ({self.errors[node]})"
+                late = ("no consistency signature" if stage_of.get(node) == "consistency_check"
+                        else "no unmask reply")
+                reason = (f"masked input counted; {late} ({self.errors[node]})"
                           if node in self.errors else None)
                 out.append(UpdateRecord(cid, "accepted", reason=reason))
             elif node in stage_of:

@@ -184,3 +184,6 @@ def test_a_silo_silent_in_the_consistency_check_takes_no_further_part(run_inproc
     first, second = store.secagg_rounds(summary["run_id"])
     assert first["status"] == "completed" and first["dropouts"]["consistency_check"] == ["4"]
     assert second["status"] == "completed" and second["participants"] == ["1", "2", "3"]
+    [silent] = [u for rnd, u in store.updates(summary["run_id"], round=1) if u.client_id == "4"]
+    assert silent.fate == "accepted" and silent.reason == (
+        "masked input counted; no consistency signature (RuntimeError: silo 4 went away)")
