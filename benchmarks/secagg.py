@@ -9,6 +9,16 @@ float32 delta of d coordinates, so only aggregation and protocol costs are measu
   ("auto"), k = 3, and the full graph (k = N-1, SecAgg), each twice: with the clients
   quantizing and masking on the machine's cores (node config ``mask-threads``, the
   in-process engine's default) and on one thread ("auto_1t", "k3_1t", "full_1t");
+- fedring malicious (``--security semi_honest,malicious``, the default): each fedring graph
+  also against a server that lies (``[secagg] security = "malicious"``: signed key
+  advertisements, the derived graph, the consistency check), the clients' identities from
+  a simulated run's PKI (``simulations.secagg_pki``), alternated round by round with the
+  semi-honest variant so that all see the same load. "_malicious": the clients of the
+  process share the memo of verified signatures (``privacy.secagg.malicious.verify``: a
+  pure function's results, keyed by the exact key, message and signature) and of graphs;
+  "_malicious_per_client" against "_per_client" (semi-honest): that memo is emptied before
+  each client message and the graph memos before each SETUP and PUBLIC_KEYS, so every
+  client pays every Ed25519 verification and graph it would pay in its own process;
 - flower: Flower 1.41's SecAggPlusWorkflow on its legacy path (DefaultWorkflow, FedAvg
   strategy, NumPyClient with ``secaggplus_mod``), num_shares = 3 (each client shares with
   2 neighbours) and num_shares = all (1.0).
@@ -32,6 +42,8 @@ one JSON object.
     .venv/bin/python benchmarks/secagg.py --quick    # tiny N and d, fedring only (< 30 s)
     .venv/bin/python benchmarks/secagg.py --sizes 100x1000000 --variants k3 \
         --flower-shares 3 --no-dropouts              # one cell: k = 3 against num_shares=3
+    .venv/bin/python benchmarks/secagg.py --sizes 100x1000000 --variants auto,k3 \
+        --flower-shares 3 --no-dropouts              # malicious/semi-honest, and Flower
     .venv/bin/python benchmarks/secagg.py --cifar-model  # N = 100 at the size of the cifar10
                                                      # scenario's batch-norm CNN (quick: N = 4)
 """
@@ -73,6 +85,7 @@ from client.protocol.keys import ConfigKey, MetricKey
 from client.protocol.npy import npy_array
 from client.protocol.updates import delta_record, read_delta
 from client.secure_client import register_secagg
+from privacy.secagg import graph, malicious
 from privacy.secagg.messages import read_header
 from privacy.secagg.prg import prg_bound
 from privacy.secagg.stages import MsgType
@@ -80,6 +93,7 @@ from privacy.secagg.workers import cpu_seconds, default_threads
 from server.secagg_config import SecAggScenarioConfig
 from server.secagg_session import SecAggSession, TrainStart
 from simulations.inprocess import InProcessGrid
+from simulations.secagg_pki import make_pki
 
 CLIP = 8.0  # Flower's default clipping range; deltas here are far inside it
 
@@ -106,12 +120,15 @@ class Timed:
     def __init__(self, app: Callable[[Message, Context], Message],
                  vanish: Callable[[Message, Context], bool] | None = None) -> None:
         self.app, self.vanish = app, vanish
+        self.own_caches = False  # True: empty the memos shared by clients before each message
         self.cpu: dict[int, float] = defaultdict(float)
         self.wall = 0.0
 
     def __call__(self, msg: Message, context: Context) -> Message:
         if self.vanish is not None and self.vanish(msg, context):
             raise ConnectionError("vanished")
+        if self.own_caches:  # as if each client ran in its own process (untimed)
+            forget_memos(graphs=secagg_kind(msg) in (MsgType.SETUP, MsgType.PUBLIC_KEYS))
         cpu, wall = cpu_seconds(), time.perf_counter()
         try:
             return self.app(msg, context)
@@ -122,6 +139,23 @@ class Timed:
     def reset(self) -> None:
         self.cpu.clear()
         self.wall = 0.0
+
+
+def forget_memos(*, graphs: bool = True) -> None:
+    """Empty the process-wide memos that clients share in one process: the malicious mode's
+    verified signatures and, with ``graphs``, the neighbour graphs (both modes')."""
+    malicious._VERIFIED.clear()
+    if graphs:
+        malicious.derived_neighbours.cache_clear()
+        graph._regular_graph.cache_clear()
+        graph._connected.cache_clear()
+
+
+def secagg_kind(msg: Message) -> MsgType | None:
+    """The SecAgg+ message a Flower message carries, if any."""
+    record = msg.content.get("secagg") if isinstance(msg.content, RecordDict) else None
+    data = record.get("msg") if isinstance(record, ConfigRecord) else None
+    return read_header(data).kind if isinstance(data, bytes) else None
 
 
 def fedring_client_app(inputs: dict[int, tuple[np.ndarray, int]]) -> ClientApp:
@@ -282,12 +316,16 @@ def median_client_cpu(timed: Timed) -> float:
 # masking on the machine's cores (the in-process engine's default) and on one thread ("_1t")
 GRAPHS = {"auto": "auto", "k3": 3, "full": "full"}
 VARIANTS = (*GRAPHS, *(f"{g}_1t" for g in GRAPHS))
+SECURITY = ("semi_honest", "malicious")
+# suffix of a variant's name -> (security, each client with its own memos)
+MODES = {"": ("semi_honest", False), "_per_client": ("semi_honest", True),
+         "_malicious": ("malicious", False), "_malicious_per_client": ("malicious", True)}
 
 
 def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
             log: Callable[[str], None], variants: tuple[str, ...] = VARIANTS,
-            dropouts: bool = True, flower_shares: tuple[str, ...] = ("3", "all")
-            ) -> dict[str, Any]:
+            dropouts: bool = True, flower_shares: tuple[str, ...] = ("3", "all"),
+            security: tuple[str, ...] = SECURITY) -> dict[str, Any]:
     inputs = make_inputs(n, d)
     nodes = list(range(1, n + 1))
     app = Timed(fedring_client_app(inputs))
@@ -305,47 +343,82 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
 
     one_thread = InProcessGrid(app, n, mask_threads=1)  # same clients, masking on one thread
     cores = default_threads()  # the in-process engine's mask-threads
-    graphs = {f"fedring_{v}": (GRAPHS[v.removesuffix("_1t")],
-                               *((one_thread, 1) if v.endswith("_1t") else (grid, cores)))
-              for v in variants}
+    modes = {suffix: m for suffix, m in MODES.items() if m[0] in security  # the per-client
+             and (suffix != "_per_client" or "malicious" in security)}  # twin of malicious
+    grids = {(cores, False): grid, (1, False): one_thread}
+    if "malicious" in security:  # the same clients, each with an identity of the run's PKI
+        pki = make_pki(n)
+        grids[(cores, True)] = InProcessGrid(app, n, pki=pki)
+        grids[(1, True)] = InProcessGrid(app, n, mask_threads=1, pki=pki)
     rnd = 1
-    if graphs:  # one untimed round first: the clients' reused buffers are then allocated
-        warm = SecAggScenarioConfig(enabled=True, neighbors="auto", clip_range=CLIP)
-        fedring_round(grid, nodes, d, warm, rnd)
-    for name, (neighbors, on, threads) in graphs.items():
-        settings = SecAggScenarioConfig(enabled=True, neighbors=neighbors, clip_range=CLIP)
-        walls, cpus, stats, round_cpu, clients_wall, bounds = [], [], None, [], [], []
-        for _ in range(reps):
+    if variants:  # one untimed round first: the clients' reused buffers are then allocated
+        for sec in dict.fromkeys(m[0] for m in modes.values()):
             rnd += 1
-            app.reset()
-            gc.collect()
-            cpu = time.process_time()
-            wall, out = fedring_round(on, nodes, d, settings, rnd)
-            round_cpu.append(time.process_time() - cpu)
-            clients_wall.append(app.wall)
-            walls.append(wall)
-            cpus.append(median_client_cpu(app))
-            stats = out
-            bounds.append(prg_bound(d, out.k + 1))  # right after: the same machine load
-        k = stats.k
-        overhead = min(cpus) - plain_cpu
-        ratios = [(c - plain_cpu) / b for c, b in zip(cpus, bounds, strict=True) if b]
-        best = walls.index(min(walls))
-        row[name] = {"k": k, "t": stats.t, "mask_threads": threads, "round_s": min(walls),
-                     "round_cpu_s": round_cpu[best],
-                     "server_s": min(walls) - clients_wall[best], "client_cpu_s": min(cpus),
-                     "client_secure_overhead_s": overhead, "prg_bound_s": min(bounds),
-                     "overhead_over_prg_each": ratios,
-                     "overhead_over_prg": statistics.median(ratios) if ratios else None,
-                     "server_stage_s": stats.server_seconds}
-        log(f"N={n} d={d} {name} k={k} {min(walls):.3f} s (round CPU {round_cpu[best]:.3f} s), "
-            f"client {min(cpus) * 1e3:.1f} ms "
-            f"(overhead {overhead * 1e3:.1f} ms, PRG bound {min(bounds) * 1e3:.1f} ms, "
-            f"ratios {' '.join(f'{r:.2f}' for r in ratios)})")
+            warm = SecAggScenarioConfig(enabled=True, neighbors="auto", clip_range=CLIP,
+                                        security=sec)
+            fedring_round(grids[(cores, sec == "malicious")], nodes, d, warm, rnd)
+    for variant in variants:
+        neighbors = GRAPHS[variant.removesuffix("_1t")]
+        threads = 1 if variant.endswith("_1t") else cores
+        runs: dict[str, list[tuple[float, float, float, float, float, Any]]] = {
+            suffix: [] for suffix in modes}
+        for rep in range(reps):  # the modes alternate, each rep starting with the next one
+            order = list(modes)[rep % len(modes):] + list(modes)[:rep % len(modes)]
+            for suffix in order:
+                sec, own = modes[suffix]
+                settings = SecAggScenarioConfig(enabled=True, neighbors=neighbors,
+                                                clip_range=CLIP, security=sec)
+                rnd += 1
+                app.reset()
+                forget_memos()
+                app.own_caches = own
+                gc.collect()
+                cpu = time.process_time()
+                wall, out = fedring_round(grids[(threads, sec == "malicious")], nodes, d,
+                                          settings, rnd)
+                round_cpu = time.process_time() - cpu
+                app.own_caches = False
+                bound = prg_bound(d, out.k + 1)  # right after: the same machine load
+                runs[suffix].append((wall, round_cpu, app.wall, median_client_cpu(app), bound,
+                                     out))
+        for suffix, got in runs.items():
+            name = f"fedring_{variant}{suffix}"
+            walls = [g[0] for g in got]
+            cpus = [g[3] for g in got]
+            best = walls.index(min(walls))
+            stats = got[best][5]
+            overhead = min(cpus) - plain_cpu
+            ratios = [(g[3] - plain_cpu) / g[4] for g in got if g[4]]
+            row[name] = {"k": stats.k, "t": stats.t, "mask_threads": threads,
+                         "security": modes[suffix][0], "own_signature_memo": modes[suffix][1],
+                         "round_s": min(walls), "round_s_each": walls,
+                         "round_cpu_s": got[best][1], "server_s": min(walls) - got[best][2],
+                         "client_cpu_s": min(cpus), "client_secure_overhead_s": overhead,
+                         "prg_bound_s": min(g[4] for g in got),
+                         "overhead_over_prg_each": ratios,
+                         "overhead_over_prg": statistics.median(ratios) if ratios else None,
+                         "server_stage_s": stats.server_seconds}
+            semi = runs.get(suffix.replace("_malicious", ""))
+            if "_malicious" in suffix and semi:  # against the semi-honest twin, same reps
+                row[name]["round_over_semi_honest"] = min(walls) / min(g[0] for g in semi)
+                row[name]["round_over_semi_honest_each"] = [
+                    g[0] / s[0] for g, s in zip(got, semi, strict=True)]
+                row[name]["round_cpu_over_semi_honest"] = statistics.median(
+                    g[1] / s[1] for g, s in zip(got, semi, strict=True))
+                row[name]["client_cpu_over_semi_honest"] = min(cpus) / min(s[3] for s in semi)
+            versus = (f", {row[name]['round_over_semi_honest']:.2f}x semi-honest (CPU "
+                      f"{row[name]['round_cpu_over_semi_honest']:.2f}x)"
+                      if "round_over_semi_honest" in row[name] else "")
+            log(f"N={n} d={d} {name} k={stats.k} {min(walls):.3f} s "
+                f"(round CPU {got[best][1]:.3f} s){versus}, client {min(cpus) * 1e3:.1f} ms "
+                f"(overhead {overhead * 1e3:.1f} ms, PRG bound "
+                f"{row[name]['prg_bound_s'] * 1e3:.1f} ms, "
+                f"ratios {' '.join(f'{r:.2f}' for r in ratios)})")
 
     # 10% of the clients vanish after sharing keys: the server removes their pair masks
-    for name in [v for v in ("fedring_auto", "fedring_full") if v in graphs and dropouts]:
-        neighbors = graphs[name][0]  # (k = 3, t = 2 is not built for 10% dropouts)
+    for name in [f"fedring_{v}" for v in ("auto", "full") if v in variants and dropouts
+                 and "" in modes]:
+        neighbors = GRAPHS[name.removeprefix("fedring_")]  # (k = 3, t = 2: not for 10% dropouts)
         count = max(1, round(0.1 * n))
         dropped = set(nodes[:: n // count][:count])
 
@@ -387,7 +460,7 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
             f"{got['prg_dropped_masks_s'] * 1e3:.1f} ms, all masks "
             f"{got['prg_all_masks_s'] * 1e3:.1f} ms, ratios "
             f"{' '.join(f'{r:.2f}' for r in over_dropped)}")
-    del grid, one_thread, app
+    del grid, one_thread, grids, app
     gc.collect()
 
     if flower:
@@ -434,9 +507,38 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "flower_s": flower_s, "fedring_s": k3["round_s"], "speedup": speedup,
                 "cpu_speedup": f["round_cpu_s"] / k3["round_cpu_s"] if "round_cpu_s" in f
                 else None, "flower_timed_out": "round_s" not in f, "met": speedup >= 10}
+        if r["N"] == 100 and r["d"] >= 10**6:
+            out.update(malicious_targets(r))
         if r["N"] == 100 and r["d"] == 100_000 and "fedring_full" in r:
             full = r["fedring_full"]["round_s"]
             out["full_graph_N100_d100k_under_5s"] = {"round_s": full, "met": full < 5}
+    return out
+
+
+def malicious_targets(r: dict[str, Any]) -> dict[str, Any]:
+    """At N = 100, d = 1M: each malicious variant's round against its semi-honest twin's
+    (<= 1.3x), and k = 3 malicious against Flower's num_shares = 3 (>= 10x faster); with
+    the clients' shared memo of verified signatures and with a memo per client."""
+    out: dict[str, Any] = {}
+    for suffix, label in (("_malicious", "shared_memo"), ("_malicious_per_client",
+                                                          "per_client")):
+        rows = {v: r[f"fedring_{v}{suffix}"] for v in VARIANTS
+                if "round_over_semi_honest" in r.get(f"fedring_{v}{suffix}", {})}
+        if rows:
+            ratios = {v: got["round_over_semi_honest"] for v, got in rows.items()}
+            out[f"malicious_le_1.3x_semi_honest_N100_d1M_{label}"] = {
+                "ratios": ratios, "met": max(ratios.values()) <= 1.3,
+                "round_cpu_ratios": {v: got["round_cpu_over_semi_honest"]
+                                     for v, got in rows.items()}}
+        f, k3 = r.get("flower_shares3"), r.get(f"fedring_k3{suffix}")
+        if f is not None and k3 is not None:
+            flower_s = f.get("round_s", f.get("timed_out_after_s"))
+            out[f"k3_malicious_vs_flower_shares3_N100_d1M_{label}"] = {
+                "flower_s": flower_s, "fedring_s": k3["round_s"],
+                "speedup": flower_s / k3["round_s"],
+                "cpu_speedup": f["round_cpu_s"] / k3["round_cpu_s"] if "round_cpu_s" in f
+                else None, "flower_timed_out": "round_s" not in f,
+                "met": flower_s / k3["round_s"] >= 10}
     return out
 
 
@@ -462,6 +564,10 @@ def main() -> None:
                         help="Flower's num_shares to run: '3', 'all' or '3,all'")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="fedring variants to run: any of " + ",".join(VARIANTS))
+    parser.add_argument("--security", default=",".join(SECURITY),
+                        help="fedring's modes, alternated round by round: 'semi_honest', "
+                             "'malicious' (with a shared and a per-client signature memo) "
+                             "or both")
     parser.add_argument("--no-dropouts", action="store_true",
                         help="leave out the rounds with 10%% of the clients dropped")
     parser.add_argument("--cifar-model", action="store_true",
@@ -483,8 +589,11 @@ def main() -> None:
         grid = [(4 if args.quick else 100, cifar["d"])]
     variants = tuple(v for v in args.variants.split(",") if v)
     flower_shares = tuple(v for v in args.flower_shares.split(",") if v)
-    if not set(variants) <= set(VARIANTS) or not set(flower_shares) <= {"3", "all"}:
-        parser.error(f"--variants takes {', '.join(VARIANTS)}; --flower-shares takes 3, all")
+    security = tuple(v for v in args.security.split(",") if v)
+    if not set(variants) <= set(VARIANTS) or not set(flower_shares) <= {"3", "all"} or \
+            not set(security) <= set(SECURITY) or not security:
+        parser.error(f"--variants takes {', '.join(VARIANTS)}; --flower-shares takes 3, all; "
+                     f"--security takes {', '.join(SECURITY)}")
     started = time.perf_counter()
     load_before = list(os.getloadavg())
     rows = []
@@ -493,7 +602,7 @@ def main() -> None:
                             limit=args.flower_limit,
                             log=lambda s: print(s, file=sys.stderr, flush=True),
                             variants=variants, dropouts=not args.no_dropouts,
-                            flower_shares=flower_shares))
+                            flower_shares=flower_shares, security=security))
         if cifar is not None:
             rows[-1]["model"] = {"kind": "resnet (cifar10 scenario, 3x32x32, batch norm)",
                                  **cifar}
@@ -501,6 +610,7 @@ def main() -> None:
     import flwr
 
     result = {"benchmark": "secagg", "quick": args.quick, "reps": reps, "variants": variants,
+              "security": security,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "python": platform.python_version(), "flwr": flwr.__version__,
                           "cryptography": cryptography.__version__,

@@ -325,13 +325,14 @@ class SecAggClient:
         used = {own.identity: self.client_id}
         for e in m.entries:
             self._check_advert(e, listed, used, signature=True)
-        neighbours = self._derive_neighbours(m.advertised)
+        digest = mal.list_digest(cfg.run_id, cfg.round_id, m.advertised)
+        neighbours = self._derive_neighbours(m.advertised, digest)
         named = {e.client_id for e in m.entries}
         if named != neighbours:
             extra, missing = sorted(named - neighbours), sorted(neighbours - named)
             raise ProtocolError(f"neighbours are not the graph derived from the advertisement "
                                 f"list (extra {extra}, missing {missing})")
-        return neighbours, mal.list_digest(cfg.run_id, cfg.round_id, m.advertised)
+        return neighbours, digest
 
     def _check_advert(self, e: PeerKeys, listed: dict[int, bytes], used: dict[bytes, int], *,
                       signature: bool) -> None:
@@ -354,11 +355,12 @@ class SecAggClient:
         if listed.get(c) != mal.advert_digest(message, e.signature):
             raise ProtocolError(f"client {c}'s advertisement does not match the list")
 
-    def _derive_neighbours(self, listed: tuple[tuple[int, bytes], ...]) -> frozenset[int]:
-        """This client's neighbours: the graph from the list's seed, inside the list's
-        t-core (the clients the server keeps); ProtocolError if this client is not kept."""
+    def _derive_neighbours(self, listed: tuple[tuple[int, bytes], ...],
+                           digest: bytes) -> frozenset[int]:
+        """This client's neighbours: the graph from the list's seed (``digest``: the list's),
+        inside the list's t-core (the clients the server keeps); ProtocolError if this
+        client is not kept."""
         cfg = self._cfg
-        digest = mal.list_digest(cfg.run_id, cfg.round_id, listed)
         kept = mal.derived_neighbours(cfg.participants, cfg.k, cfg.t, tuple(listed), digest,
                                       self.policy.require_connected)
         if self.client_id not in kept:
@@ -536,12 +538,15 @@ class SecAggClient:
             raise ProtocolError("not a client state of this version")
         pos = _STATE_HEAD.size
         blobs: list[bytes] = []
-        while len(blobs) < (4 if len(blobs) < 1 or not _is_malicious(blobs[0]) else 6):
+        count = 4  # six once the SETUP (the first blob) says malicious
+        while len(blobs) < count:
             (size,) = _BLOB.unpack_from(data, pos)
             if pos + 4 + size > len(data):
                 raise ProtocolError("truncated client state")
             blobs.append(data[pos + 4 : pos + 4 + size])
             pos += 4 + size
+            if len(blobs) == 1 and _is_malicious(blobs[0]):
+                count = 6
         client = cls(
             cid, run_id=run_id if flags & 1 else None, round_id=round_id if flags & 2 else None,
             policy=own.policy, identity=own.identity, trusted=own.trusted,
@@ -594,7 +599,7 @@ class SecAggClient:
         if self._listed:
             cfg = self._cfg
             self._digest = mal.list_digest(cfg.run_id, cfg.round_id, self._listed)
-            self.neighbours = self._derive_neighbours(self._listed)
+            self.neighbours = self._derive_neighbours(self._listed, self._digest)
         elif self.stage > Stage.ADVERTISE_KEYS:
             raise ProtocolError("client state lacks the advertisement list")
         if len(signed) % 8:

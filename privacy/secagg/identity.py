@@ -22,6 +22,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 DOMAIN = b"fedring-secagg/v1/"
+_MAX_PARSED = 1 << 14  # every node of a large simulation, and their trusted set
+# Parsed identity keys and trusted sets by their exact text: a node reads its node config
+# on every message of a round, and the nodes of a simulation share one trusted set.
+_PARSED: dict[tuple[type, bytes | str], object] = {}
+
+
+def _memo(key: tuple[type, bytes | str], value: object) -> None:
+    if len(_PARSED) >= _MAX_PARSED:
+        _PARSED.pop(next(iter(_PARSED)), None)
+    _PARSED[key] = value
 
 
 def signed_bytes(purpose: str, *parts: bytes | int) -> bytes:
@@ -65,13 +75,20 @@ class Identity:
     @classmethod
     def from_pem(cls, data: bytes, *, source: str = "identity key") -> Identity:
         """ValueError naming ``source`` unless ``data`` is an unencrypted PEM Ed25519 key."""
+        memo = (cls, bytes(data)) if isinstance(data, bytes | bytearray | memoryview) else None
+        found = _PARSED.get(memo) if memo is not None else None
+        if isinstance(found, cls):
+            return found
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{source}: not an unencrypted PEM private key ({exc})") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise ValueError(f"{source}: an Ed25519 key is needed, got {type(key).__name__}")
-        return cls(key)
+        identity = cls(key)
+        if memo is not None:
+            _memo(memo, identity)
+        return identity
 
 
 class TrustedKeys:
@@ -106,6 +123,9 @@ class TrustedKeys:
     @classmethod
     def from_text(cls, text: str, *, source: str = "trusted keys") -> TrustedKeys:
         """One hex public key per line; blank lines and ``#`` comments are skipped."""
+        found = _PARSED.get((cls, text)) if isinstance(text, str) else None
+        if isinstance(found, cls):
+            return found
         keys = []
         for number, line in enumerate(text.splitlines(), 1):
             line = line.split("#", 1)[0].strip()
@@ -121,7 +141,10 @@ class TrustedKeys:
             keys.append(key)
         if not keys:
             raise ValueError(f"{source}: no trusted key")
-        return cls(keys)
+        trusted = cls(keys)
+        if isinstance(text, str):
+            _memo((cls, text), trusted)
+        return trusted
 
     @classmethod
     def read(cls, path: str | Path) -> TrustedKeys:

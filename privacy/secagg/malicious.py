@@ -68,11 +68,22 @@ def verify(trusted: TrustedKeys, public: bytes, signature: bytes, message: bytes
     return True
 
 
+_ADVERT_HEAD = signed_bytes("advertise")
+_ADVERT_KEY = 32
+# signed_bytes("advertise", 4 integers, 4 keys of 32 bytes) in one pack: the same bytes
+_ADVERT = struct.Struct("<" + "IQ" * 4 + f"I{_ADVERT_KEY}s" * 4)
+
+
 def advert_message(run_id: int, round_id: int, node: int, c_pk: bytes, s_pk: bytes,
                    commitment: bytes, identity: bytes) -> bytes:
     """What a key advertisement's signature covers."""
-    return signed_bytes("advertise", run_id, round_id, int(Stage.ADVERTISE_KEYS), node,
-                        c_pk, s_pk, commitment, identity)
+    n = _ADVERT_KEY
+    if not len(c_pk) == len(s_pk) == len(commitment) == len(identity) == n:
+        return signed_bytes("advertise", run_id, round_id, int(Stage.ADVERTISE_KEYS), node,
+                            c_pk, s_pk, commitment, identity)
+    return _ADVERT_HEAD + _ADVERT.pack(8, run_id, 8, round_id, 8, int(Stage.ADVERTISE_KEYS),
+                                       8, node, n, bytes(c_pk), n, bytes(s_pk), n,
+                                       bytes(commitment), n, bytes(identity))
 
 
 def advert_digest(message: bytes, signature: bytes) -> bytes:
@@ -81,7 +92,16 @@ def advert_digest(message: bytes, signature: bytes) -> bytes:
 
 
 def list_digest(run_id: int, round_id: int, entries: Sequence[tuple[int, bytes]]) -> bytes:
-    """The digest of the advertisement list (ids increasing)."""
+    """The digest of the advertisement list (ids increasing); memoized for a tuple of
+    entries (a client's list, restored with its session on each message)."""
+    try:
+        return _list_digest(run_id, round_id, entries)
+    except TypeError:  # unhashable entries
+        return _list_digest.__wrapped__(run_id, round_id, entries)
+
+
+@lru_cache(maxsize=16)
+def _list_digest(run_id: int, round_id: int, entries: Sequence[tuple[int, bytes]]) -> bytes:
     h = hashlib.sha256(b"fedring-secagg/v1/advert-list\x00" + struct.pack("<QI", run_id, round_id))
     for node, digest in entries:
         h.update(_ENTRY.pack(node, digest))

@@ -134,8 +134,69 @@ def test_secagg_quick() -> None:
             drop = row[name]["dropout10"]
             assert drop["dropped"] == 1 and drop["survivors"] == row["N"] - 1
             assert positive(drop["unmask_s"]) and positive(drop["prg_dropped_masks_s"])
+        for name in ("fedring_auto", "fedring_k3", "fedring_full", "fedring_auto_1t",
+                     "fedring_k3_1t", "fedring_full_1t"):  # each against a lying server too
+            for suffix, own in (("_malicious", False), ("_malicious_per_client", True)):
+                semi = row[name + suffix.replace("_malicious", "")]
+                assert semi["security"] == "semi_honest" and semi["own_signature_memo"] is own
+                assert "consistency_check" not in semi["server_stage_s"]
+                got = row[name + suffix]
+                assert got["security"] == "malicious" and got["own_signature_memo"] is own
+                assert (got["k"], got["t"]) == (semi["k"], semi["t"])
+                assert positive(got["server_stage_s"]["consistency_check"])
+                assert len(got["round_s_each"]) == len(semi["round_s_each"]) == result["reps"]
+                assert got["round_over_semi_honest"] == pytest.approx(
+                    got["round_s"] / semi["round_s"])
+                assert positive(got["round_cpu_over_semi_honest"])
+    assert result["security"] == ["semi_honest", "malicious"]
     for target in result["targets"].values():
         assert target["met"] in (True, False, None)
+
+
+@pytest.mark.slow
+def test_secagg_quick_semi_honest_only() -> None:
+    result = run_quick("secagg.py", extra=("--variants", "k3", "--security", "semi_honest",
+                                           "--no-dropouts"))
+    for row in result["results"]:
+        assert [k for k in row if k.startswith("fedring_")] == ["fedring_k3"]
+
+
+def test_secagg_per_client_memos_in_a_malicious_round() -> None:
+    """The per-client variants: before each client message the verified signatures are
+    forgotten, and the graphs before each SETUP and PUBLIC_KEYS (once per client each), so
+    every client pays its own verifications and graphs, as in its own process."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import secagg as bench
+
+    from privacy.secagg import graph, malicious
+    from privacy.secagg.stages import MsgType
+    from server.secagg_config import SecAggScenarioConfig
+    from simulations.inprocess import InProcessGrid
+    from simulations.secagg_pki import make_pki
+
+    n, d = 5, 100
+    app = bench.Timed(bench.fedring_client_app(bench.make_inputs(n, d)))
+    seen: list[tuple[MsgType | None, int, int]] = []
+    inner = app.app
+
+    def spy(msg: Any, context: Any) -> Any:
+        graphs = malicious.derived_neighbours.cache_info().currsize + \
+            graph._regular_graph.cache_info().currsize + graph._connected.cache_info().currsize
+        seen.append((bench.secagg_kind(msg), len(malicious._VERIFIED), graphs))
+        return inner(msg, context)
+
+    app.app, app.own_caches = spy, True
+    settings = SecAggScenarioConfig(enabled=True, neighbors="full", clip_range=bench.CLIP,
+                                    security="malicious")
+    _, out = bench.fedring_round(InProcessGrid(app, n, pki=make_pki(n)), list(range(1, n + 1)),
+                                 d, settings, 1)
+    assert out.status == "completed"
+    kinds = [k for k, _, _ in seen]
+    assert kinds.count(MsgType.PUBLIC_KEYS) == n and kinds.count(MsgType.SETUP) == n
+    assert all(verified == 0 for _, verified, _ in seen)  # no client sees another's checks
+    assert all(graphs == 0 for k, _, graphs in seen if k in (MsgType.SETUP,
+                                                               MsgType.PUBLIC_KEYS))
+    assert any(graphs for k, _, graphs in seen if k is not MsgType.PUBLIC_KEYS)
 
 
 @pytest.mark.slow
