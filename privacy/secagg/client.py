@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import struct
+from functools import lru_cache
 
 import numpy as np
 
@@ -509,7 +510,7 @@ class SecAggClient:
         held = b"".join(_HELD.pack(v, *p) for v, p in sorted(self._held.items()))
         blobs = [self._setup_raw, secrets, peers, held]
         if self.config is not None and self.config.malicious:
-            blobs.append(b"".join(_LISTED.pack(c, d) for c, d in self._listed))
+            blobs.append(_pack_listed(self._listed))
             blobs.append(struct.pack(f"<{len(self._signed_set)}Q", *self._signed_set))
         parts = [head] + [_BLOB.pack(len(b)) + b for b in blobs]
         parts.append(_BLOB.pack(len(self._revealed)))
@@ -595,7 +596,7 @@ class SecAggClient:
 
     def _restore_malicious(self, listed: bytes, signed: bytes) -> None:
         """The advertisement list (and the neighbours derived from it) and the signed set."""
-        self._listed = tuple((c, d) for c, d in _entries(_LISTED, listed))
+        self._listed = _unpack_listed(bytes(listed))
         if self._listed:
             cfg = self._cfg
             self._digest = mal.list_digest(cfg.run_id, cfg.round_id, self._listed)
@@ -631,6 +632,18 @@ def _decode_setup(payload: bytes) -> tuple[Header, SessionParams]:
             _SETUPS.pop(next(iter(_SETUPS)), None)
         _SETUPS[key] = config
     return h, config
+
+
+@lru_cache(maxsize=16)
+def _pack_listed(listed: tuple[tuple[int, bytes], ...]) -> bytes:
+    """A saved advertisement list (memoized: a session is saved after every message)."""
+    return b"".join(_LISTED.pack(c, d) for c, d in listed)
+
+
+@lru_cache(maxsize=16)
+def _unpack_listed(blob: bytes) -> tuple[tuple[int, bytes], ...]:
+    """:func:`_pack_listed` undone (memoized: a session is restored on every message)."""
+    return tuple((c, d) for c, d in _entries(_LISTED, blob))
 
 
 def _entries(st: struct.Struct, blob: bytes) -> list[tuple]:

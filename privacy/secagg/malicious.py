@@ -53,7 +53,8 @@ _MAX_VERIFIED = 1 << 14
 
 def verify(trusted: TrustedKeys, public: bytes, signature: bytes, message: bytes) -> bool:
     """:meth:`TrustedKeys.verify`, remembering the last few thousand valid signatures: the
-    clients of a round in one process (a simulation) check the same ones. Only a valid
+    clients and the server of a round in one process (a simulation) check the same ones
+    (a pure function of the exact key, message and signature). Only a valid
     signature is remembered, and trust is checked on every call."""
     if public not in trusted:
         return False

@@ -267,7 +267,7 @@ class SecAggServer:
             message = mal.advert_message(cfg.run_id, cfg.round_id, sender, m.c_pk, m.s_pk,
                                          m.b_commitment, m.identity)
             checker = self.trusted or TrustedKeys([m.identity])
-            if not checker.verify(m.identity, m.signature, message):
+            if not mal.verify(checker, m.identity, m.signature, message):
                 why = "untrusted identity" if m.identity not in checker else "bad signature"
                 raise ProtocolError(f"advertisement refused: {why}")
             return PeerKeys(sender, m.c_pk, m.s_pk, m.b_commitment, m.identity,
@@ -280,7 +280,7 @@ class SecAggServer:
         message = mal.consistency_message(cfg.run_id, cfg.round_id, sorted(self.survivors),
                                           self.list_digest)
         identity = self._keys[sender].identity
-        if not TrustedKeys([identity]).verify(identity, signature, message):
+        if not mal.verify(TrustedKeys([identity]), identity, signature, message):
             raise ProtocolError("consistency signature does not verify")
         return signature
 
