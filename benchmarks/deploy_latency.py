@@ -23,10 +23,25 @@ central evaluation, checkpoint). Round 1 also loads the app and is reported apar
 figure of merit is the median of rounds 2..R. fedring's ServerApp already pulls replies
 every ``federation.poll_s`` (0.05 s) instead of Flower's ``HttpGrid`` 3 s.
 
-    python benchmarks/deploy_latency.py [--quick] [--rounds R] [--modes fedring,flower]
+``--secure``: secure aggregation's cost in a deployment. One ``fedring`` deployment with
+TLS and SuperNode authentication (``fedring deploy up --auth``: ``fedring certs``
+material, each SuperNode's SecAgg+ identity key and the federation's trusted keys in its
+node config), the same model, and one ``flwr run`` per variant, each with its own store,
+in this order: ``plain`` (FedAvg), ``semi_honest`` (``secagg.enabled=true``) and
+``malicious`` (``secagg.security=malicious``: signed advertisements, the derived graph,
+the consistency check). Every secure round must be recorded as completed, in its mode
+(the store's ``secagg_rounds``, whose per-stage server seconds are reported). The figure
+of merit is each secure variant's median warm round over the plain one's (target: at most
+2). A secure round is four exchanges between the server and the SuperNodes (five with
+the consistency check; a plain round is one), each waiting for the SuperNodes' next pull:
+``--pull-interval`` sets their idle pull interval (default 0.2 s, as ``fedring deploy
+up``).
 
-``--quick`` runs only ``fedring`` with 3 rounds. Human-readable lines go to stderr; the
-last line of stdout is one JSON object.
+    python benchmarks/deploy_latency.py [--quick] [--rounds R] [--modes fedring,flower]
+    python benchmarks/deploy_latency.py --secure [--quick] [--rounds R] [--pull-interval S]
+
+``--quick`` runs only ``fedring`` with 3 rounds (with ``--secure``: each variant).
+Human-readable lines go to stderr; the last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -55,48 +70,120 @@ OVERRIDES = (f"federation.clients={NODES} federation.min_clients={NODES} "
              f"model.hidden=[{HIDDEN[0]}] train.local_epochs=1")
 TARGET_ROUND_S = 2.0
 ALL_MODES = ("flower", "fastpoll", "warm", "fedring")
+SECURE_VARIANTS = {"plain": "", "semi_honest": "secagg.enabled=true",
+                   "malicious": "secagg.enabled=true secagg.security=malicious"}
+TARGET_SECURE_OVER_PLAIN = 2.0
+
+
+def flwr_env(work: Path) -> dict[str, str]:
+    os.environ["FLWR_HOME"] = str(work / "flwr")
+    return {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def flwr_run(state: dict[str, Any], name: str, overrides: str, rounds: int, work: Path,
+             env: dict[str, str]) -> dict[str, Any]:
+    """One ``flwr run`` on a running deployment, into its own store; its rounds' wall times
+    and, for a secure run, the modes its secure rounds were recorded in."""
+    from server.store import Store
+
+    db = f"sqlite:///{work / f'{name}.db'}"
+    run_config = f'db="{db}" overrides="{overrides} federation.rounds={rounds}"'
+    t1 = time.perf_counter()
+    out = subprocess.run([str(Path(sys.executable).parent / "flwr"), "run", ".",
+                          state["federation"], "--run-config", run_config, "--stream"],
+                         cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300 + 150 * rounds)
+    run_s = time.perf_counter() - t1
+    if out.returncode != 0:
+        raise RuntimeError(f"flwr run failed ({name}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    with Store(db) as store:
+        [run] = store.list_runs()
+        recorded = [r for r in store.rounds(run.run_id) if r.round > 0]
+        secure = store.secagg_rounds(run.run_id)
+    if run.status != "completed" or len(recorded) != rounds:
+        raise RuntimeError(f"{name}: run {run.status} with {len(recorded)} of {rounds} rounds")
+    if any(r.num_accepted != NODES for r in recorded):
+        raise RuntimeError(f"{name}: a round did not get all {NODES} updates")
+    walls = [round(r.wall_s, 3) for r in recorded]
+    warm = walls[1:]
+    return {"mode": name, "rounds": rounds, "round_s": walls, "first_round_s": walls[0],
+            "warm_round_median_s": round(statistics.median(warm), 3) if warm else None,
+            "warm_round_max_s": max(warm) if warm else None, "run_s": round(run_s, 2),
+            "final_accuracy": recorded[-1].metrics.get("accuracy"),
+            "secure_rounds": [{"round": r["round"], "status": r["status"],
+                               "security": r["security"], "k": r["k"], "t": r["t"],
+                               "server_stage_s": r["seconds"]} for r in secure]}
 
 
 def run_variant(mode: str, rounds: int, work: Path) -> dict[str, Any]:
     """One deployment, one ``flwr run``; the per-round wall times from the store."""
-    from server.store import Store
     from simulations import deploy
 
     work.mkdir(parents=True)
-    os.environ["FLWR_HOME"] = str(work / "flwr")
-    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_DISABLE_UPDATE_CHECK": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    db = f"sqlite:///{work / 'store.db'}"
-    run_config = f'db="{db}" overrides="{OVERRIDES} federation.rounds={rounds}"'
+    env = flwr_env(work)
     t0 = time.perf_counter()
-    state = deploy.up(deploy.Options(nodes=NODES, mode=mode, db=db, state_dir=work / "state",
+    state = deploy.up(deploy.Options(nodes=NODES, mode=mode, db=f"sqlite:///{work / f'{mode}.db'}",
+                                     state_dir=work / "state",
                                      timeout_s=300))
     up_s = time.perf_counter() - t0
     try:
-        t1 = time.perf_counter()
-        out = subprocess.run([str(Path(sys.executable).parent / "flwr"), "run", ".",
-                              state["federation"], "--run-config", run_config, "--stream"],
-                             cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=300 + 150 * rounds)
-        run_s = time.perf_counter() - t1
+        row = flwr_run(state, mode, OVERRIDES, rounds, work, env)
     finally:
         deploy.down(work / "state")
-    if out.returncode != 0:
-        raise RuntimeError(f"flwr run failed ({mode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    with Store(db) as store:
-        [run] = store.list_runs()
-        recorded = [r for r in store.rounds(run.run_id) if r.round > 0]
-    if run.status != "completed" or len(recorded) != rounds:
-        raise RuntimeError(f"{mode}: run {run.status} with {len(recorded)} of {rounds} rounds")
-    if any(r.num_accepted != NODES for r in recorded):
-        raise RuntimeError(f"{mode}: a round did not get all {NODES} updates")
-    walls = [round(r.wall_s, 3) for r in recorded]
-    warm = walls[1:]
-    return {"mode": mode, "rounds": rounds, "round_s": walls, "first_round_s": walls[0],
-            "warm_round_median_s": round(statistics.median(warm), 3) if warm else None,
-            "warm_round_max_s": max(warm) if warm else None, "up_s": round(up_s, 2),
-            "run_s": round(run_s, 2), "final_accuracy": recorded[-1].metrics.get("accuracy")}
+    row.pop("secure_rounds")
+    return {**row, "up_s": round(up_s, 2)}
+
+
+def check_secure(name: str, row: dict[str, Any]) -> None:
+    """A secure variant's rounds were all secure, completed, and in the variant's mode."""
+    expected = [{"round": r, "status": "completed", "security": name}
+                for r in range(1, row["rounds"] + 1)]
+    got = [{k: s[k] for k in ("round", "status", "security")} for s in row["secure_rounds"]]
+    if got != expected:
+        raise RuntimeError(f"{name}: secure rounds recorded as {got}, expected {expected}")
+
+
+def run_secure(rounds: int, work: Path, pull_interval: float) -> list[dict[str, Any]]:
+    """One TLS + SuperNode-auth deployment (identity keys in node config); plain,
+    semi-honest and malicious runs on it, in that order."""
+    from simulations import deploy
+
+    work.mkdir(parents=True)
+    env = flwr_env(work)
+    t0 = time.perf_counter()
+    state = deploy.up(deploy.Options(nodes=NODES, mode="fedring", tls=True, auth=True,
+                                     pull_interval=pull_interval, state_dir=work / "state",
+                                     timeout_s=300))
+    up_s = round(time.perf_counter() - t0, 2)
+    rows = []
+    try:
+        for name, extra in SECURE_VARIANTS.items():
+            log(f"{name}: {NODES} SuperNodes (TLS, node auth), {rounds} rounds ...")
+            row = flwr_run(state, name, f"{OVERRIDES} {extra}".strip(), rounds, work, env)
+            if name == "plain":
+                if row["secure_rounds"]:
+                    raise RuntimeError(f"plain: secure rounds recorded: {row['secure_rounds']}")
+            else:
+                check_secure(name, row)
+            log(f"{name}: rounds {row['round_s']} s; warm median {row['warm_round_median_s']} s")
+            rows.append({**row, "up_s": up_s})
+    finally:
+        deploy.down(work / "state")
+    return rows
+
+
+def secure_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each secure variant's median warm round over the plain one's, against the target."""
+    by = {r["mode"]: r["warm_round_median_s"] for r in rows}
+    plain = by.get("plain")
+    ratios = {name: round(by[name] / plain, 3) for name in SECURE_VARIANTS
+              if name != "plain" and by.get(name) and plain}
+    return {"over_plain": ratios,
+            "target": {"max_secure_over_plain": TARGET_SECURE_OVER_PLAIN,
+                       "met": (max(ratios.values()) <= TARGET_SECURE_OVER_PLAIN
+                               if len(ratios) == len(SECURE_VARIANTS) - 1 else None)}}
 
 
 def parameters() -> int:
@@ -113,6 +200,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fedring only, 3 rounds")
     parser.add_argument("--rounds", type=int, help="rounds per run (default 5, quick 3)")
+    parser.add_argument("--secure", action="store_true",
+                        help="plain vs semi-honest vs malicious secure rounds, TLS and node auth")
+    parser.add_argument("--pull-interval", type=float, default=0.2,
+                        help="--secure: the SuperNodes' idle pull interval (s; as "
+                             "`fedring deploy up --pull-interval`, default 0.2)")
     parser.add_argument("--modes", help=f"comma-separated, from {', '.join(ALL_MODES)} "
                                         "(default all; quick: fedring)")
     args = parser.parse_args()
@@ -121,11 +213,16 @@ def main() -> None:
              else ["fedring"] if args.quick else list(ALL_MODES))
     if unknown := set(modes) - set(ALL_MODES):
         parser.error(f"unknown mode(s) {sorted(unknown)}")
+    if args.secure and args.modes:
+        parser.error("--secure runs fedring's deployment only: leave out --modes")
     started, load_before = time.perf_counter(), load_average()
     results = []
     pool = ThreadPoolExecutor(1)  # the imports overlap the deployments' waiting
     info = pool.submit(lambda: (machine(), parameters()))
     with tempfile.TemporaryDirectory(prefix="fedring-deploy-bench-") as tmp:
+        if args.secure:
+            results = run_secure(rounds, Path(tmp) / "secure", args.pull_interval)
+            modes = []
         for mode in modes:
             log(f"{mode}: {NODES} SuperNodes, {rounds} rounds ...")
             row = run_variant(mode, rounds, Path(tmp) / mode)
@@ -141,12 +238,19 @@ def main() -> None:
         "loadavg_before": load_before,
         "loadavg_after": load_average(),
         "results": results,
+        "secure": args.secure,
         "speedup_warm_round": round(stock / fed, 1) if fed and stock else None,
         "target": {"max_warm_round_s": TARGET_ROUND_S,
                    "met": None if fed is None else fed <= TARGET_ROUND_S},
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    log(f"target <= {TARGET_ROUND_S} s per warm round: {summary['target']['met']}")
+    if args.secure:  # its target replaces the plain deployment's
+        summary.update(secure_summary(results), pull_interval_s=args.pull_interval)
+    if args.secure:
+        log(f"secure over plain {summary['over_plain']}; target <= "
+            f"{TARGET_SECURE_OVER_PLAIN}x: {summary['target']['met']}")
+    else:
+        log(f"target <= {TARGET_ROUND_S} s per warm round: {summary['target']['met']}")
     print(json.dumps(summary), flush=True)
 
 

@@ -228,6 +228,63 @@ def test_deploy_latency_quick() -> None:
 
 
 @pytest.mark.slow
+def test_deploy_latency_secure_quick() -> None:
+    result = run_quick("deploy_latency.py", timeout=420, extra=("--secure",))
+    assert result["secure"] is True and result["nodes"] == 3
+    rows = {r["mode"]: r for r in result["results"]}
+    assert list(rows) == ["plain", "semi_honest", "malicious"]
+    assert rows["plain"]["secure_rounds"] == []
+    for name in ("semi_honest", "malicious"):
+        assert [(s["round"], s["status"], s["security"]) for s in rows[name]["secure_rounds"]] \
+            == [(r, "completed", name) for r in (1, 2, 3)]
+        assert result["over_plain"][name] == pytest.approx(
+            rows[name]["warm_round_median_s"] / rows["plain"]["warm_round_median_s"], abs=1e-3)
+    assert all(r["final_accuracy"] > 0.5 for r in rows.values())
+    assert result["target"]["met"] in (True, False)
+
+
+def _deploy_latency() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import deploy_latency
+
+    return deploy_latency
+
+
+def test_deploy_latency_secure_summary_and_checks() -> None:
+    bench = _deploy_latency()
+    rows = [{"mode": "plain", "warm_round_median_s": 1.0},
+            {"mode": "semi_honest", "warm_round_median_s": 1.5},
+            {"mode": "malicious", "warm_round_median_s": 2.1}]
+    got = bench.secure_summary(rows)
+    assert got["over_plain"] == {"semi_honest": 1.5, "malicious": 2.1}
+    assert got["target"] == {"max_secure_over_plain": 2.0, "met": False}
+    rows[2]["warm_round_median_s"] = 2.0
+    assert bench.secure_summary(rows)["target"]["met"] is True
+    assert bench.secure_summary(rows[:2])["target"]["met"] is None  # a variant missing
+    assert "secagg.security=malicious" in bench.SECURE_VARIANTS["malicious"]
+    assert "secagg.enabled=true" in bench.SECURE_VARIANTS["semi_honest"]
+    assert "secagg" not in bench.SECURE_VARIANTS["plain"]
+    ok = {"rounds": 2, "secure_rounds": [
+        {"round": r, "status": "completed", "security": "malicious", "k": 2, "t": 2}
+        for r in (1, 2)]}
+    bench.check_secure("malicious", ok)
+    for bad in ({**ok, "secure_rounds": ok["secure_rounds"][:1]},  # a round not secure
+                {**ok, "secure_rounds": [{**ok["secure_rounds"][0], "status": "aborted"},
+                                         ok["secure_rounds"][1]]}):
+        with pytest.raises(RuntimeError, match="malicious: secure rounds recorded as"):
+            bench.check_secure("malicious", bad)
+    with pytest.raises(RuntimeError, match="semi_honest: secure rounds recorded as"):
+        bench.check_secure("semi_honest", ok)  # recorded in another mode
+
+
+def test_deploy_latency_refuses_secure_with_modes() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deploy_latency.py"),
+                          "--secure", "--modes", "flower"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--secure runs fedring's deployment only" in out.stderr
+
+
+@pytest.mark.slow
 def test_aggregation_throughput_quick() -> None:
     result = run_quick("aggregation_throughput.py")
     assert result["benchmark"] == "aggregation_throughput" and result["quick"] is True
