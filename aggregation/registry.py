@@ -1,5 +1,8 @@
-"""The robust combines by name: a registry of :class:`CombineSpec` entries.
+"""Entries by name (:class:`Registry`), and the robust combines' registry of
+:class:`CombineSpec` entries.
 
+:class:`Registry` is the one mechanism behind every "kind by name" of a scenario: the
+combines here, the drivers (``server.drivers``) and the attacks (``simulations.attacks``).
 A scenario's ``aggregation.combine`` names ``mean``, ``sum`` or one registered combine.
 Each entry declares its builder, the parameters it takes, how they are read from the
 ``[aggregation]`` section and its cross-section rules; :func:`register_combine` adds one
@@ -13,14 +16,65 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from aggregation.centered import CenteredClip, GeometricMedian
 from aggregation.combine import Combine
 from aggregation.robust import Bulyan, CoordinateMedian, Krum, MultiKrum, TrimmedMean
 
-__all__ = ["ROBUST_KINDS", "CombineSpec", "combine_spec", "make_robust_combine",
+__all__ = ["ROBUST_KINDS", "CombineSpec", "Registry", "combine_spec", "make_robust_combine",
            "register_combine", "robust_kinds", "unregister_combine"]
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Entries of one kind by name, in registration order.
+
+    ``label`` names the kind in "already registered"; ``unknown(kind, names)`` is the
+    message for a name not registered (``names``: the registered ones, comma-separated);
+    ``reserved``: names that are not entries but may not be taken; ``load``: called once,
+    on the first use, to register the built-in entries (a module imported by name, so
+    that the registry itself imports none of them).
+    """
+
+    def __init__(self, label: str, unknown: Callable[[str, str], str], *,
+                 reserved: tuple[str, ...] = (), load: Callable[[], object] | None = None) -> None:
+        self.label = label
+        self._unknown = unknown
+        self._reserved = reserved
+        self._load = load
+        self._entries: dict[str, T] = {}
+
+    def _all(self) -> dict[str, T]:
+        if self._load is not None:
+            load, self._load = self._load, None
+            try:
+                load()
+            except BaseException:
+                self._load = load  # try again on the next use
+                raise
+        return self._entries
+
+    def register(self, name: str, entry: T) -> T:
+        """Add ``entry`` as ``name`` (ValueError when the name is taken)."""
+        if name in self._all() or name in self._reserved:
+            raise ValueError(f"{self.label} '{name}' is already registered")
+        self._entries[name] = entry
+        return entry
+
+    def unregister(self, name: str) -> None:
+        del self._all()[name]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._all())
+
+    def get(self, name: str) -> T:
+        """The entry registered as ``name`` (ValueError with ``unknown``'s message)."""
+        entries = self._all()
+        if name not in entries:
+            raise ValueError(self._unknown(name, ", ".join(entries)))
+        return entries[name]
 
 # A cross-section rule: takes the typed scenario (``server.scenario.ServerScenario``),
 # raises ValueError naming the key to change.
@@ -46,33 +100,29 @@ class CombineSpec:
     rules: tuple[Rule, ...] = ()
 
 
-_COMBINES: dict[str, CombineSpec] = {}
+_COMBINES: Registry[CombineSpec] = Registry(
+    "combine", lambda kind, names: f"unknown robust combine '{kind}'; choose one of: {names}",
+    reserved=("mean", "sum"))
 
 
 def register_combine(spec: CombineSpec) -> CombineSpec:
     """Add ``spec`` under its name (a name taken, ``mean`` and ``sum`` included, fails)."""
-    if spec.name in _COMBINES or spec.name in ("mean", "sum"):
-        raise ValueError(f"combine '{spec.name}' is already registered")
-    _COMBINES[spec.name] = spec
-    return spec
+    return _COMBINES.register(spec.name, spec)
 
 
 def unregister_combine(name: str) -> None:
     """Remove the combine registered as ``name``."""
-    del _COMBINES[name]
+    _COMBINES.unregister(name)
 
 
 def robust_kinds() -> tuple[str, ...]:
     """The names of the registered robust combines, in registration order."""
-    return tuple(_COMBINES)
+    return _COMBINES.names()
 
 
 def combine_spec(kind: str) -> CombineSpec:
     """The entry registered as ``kind``."""
-    if kind not in _COMBINES:
-        raise ValueError(f"unknown robust combine '{kind}'; choose one of: "
-                         f"{', '.join(_COMBINES)}")
-    return _COMBINES[kind]
+    return _COMBINES.get(kind)
 
 
 def make_robust_combine(kind: str, **params: Any) -> Combine:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from aggregation.registry import Registry
+
 __all__ = ["DriverSpec", "driver", "driver_names", "register_driver", "unregister_driver"]
 
 BUILTINS = "server.builtin_drivers"  # registers the built-in drivers when imported
@@ -54,45 +56,26 @@ class DriverSpec:
     secure_evaluation: bool = False
 
 
-_DRIVERS: dict[str, DriverSpec] = {}
-_loaded = False
-
-
-def _builtins() -> dict[str, DriverSpec]:
-    """The registry, with the built-in drivers registered (once, on the first call)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        try:
-            importlib.import_module(BUILTINS)
-        except BaseException:
-            _loaded = False
-            raise
-    return _DRIVERS
+_DRIVERS: Registry[DriverSpec] = Registry(
+    "driver", lambda kind, names: f"driver.kind '{kind}' is unknown; choose one of: {names}",
+    load=lambda: importlib.import_module(BUILTINS))
 
 
 def register_driver(spec: DriverSpec) -> DriverSpec:
     """Add ``spec`` under its name (a name taken fails)."""
-    if spec.name in _builtins():
-        raise ValueError(f"driver '{spec.name}' is already registered")
-    _DRIVERS[spec.name] = spec
-    return spec
+    return _DRIVERS.register(spec.name, spec)
 
 
 def unregister_driver(name: str) -> None:
     """Remove the driver registered as ``name``."""
-    del _builtins()[name]
+    _DRIVERS.unregister(name)
 
 
 def driver_names() -> tuple[str, ...]:
     """The registered drivers' names, built-ins first."""
-    return tuple(_builtins())
+    return _DRIVERS.names()
 
 
 def driver(kind: str) -> DriverSpec:
     """The driver registered as ``kind``."""
-    drivers = _builtins()
-    if kind not in drivers:
-        raise ValueError(f"driver.kind '{kind}' is unknown; choose one of: "
-                         f"{', '.join(drivers)}")
-    return drivers[kind]
+    return _DRIVERS.get(kind)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from aggregation.registry import Registry
 from aggregation.update import Update
 from client.task import ATTACKER_METRIC
 
@@ -70,9 +71,7 @@ class AttackConfig:
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"attack.fraction must be in [0, 1] (the share of clients that "
                              f"attack; 0: none), got {self.fraction}")
-        if self.kind not in _ATTACKS:
-            raise ValueError(f"attack.kind '{self.kind}' is unknown; choose one of: "
-                             f"{', '.join(_ATTACKS)}")
+        attack_spec(self.kind)  # an unknown kind fails naming the registered ones
         if not (math.isfinite(self.factor) and self.factor > 0):
             raise ValueError(f"attack.factor must be > 0 (sign_flip sends -factor * delta), "
                              f"got {self.factor}")
@@ -125,33 +124,28 @@ class AttackSpec:
     rules: tuple[Callable[[ServerScenario, AttackConfig], None], ...] = ()
 
 
-_ATTACKS: dict[str, AttackSpec] = {}
+_ATTACKS: Registry[AttackSpec] = Registry(
+    "attack", lambda kind, names: f"attack.kind '{kind}' is unknown; choose one of: {names}")
 
 
 def register_attack(spec: AttackSpec) -> AttackSpec:
     """Add ``spec`` under its name (a name taken fails)."""
-    if spec.name in _ATTACKS:
-        raise ValueError(f"attack '{spec.name}' is already registered")
-    _ATTACKS[spec.name] = spec
-    return spec
+    return _ATTACKS.register(spec.name, spec)
 
 
 def unregister_attack(name: str) -> None:
     """Remove the attack registered as ``name``."""
-    del _ATTACKS[name]
+    _ATTACKS.unregister(name)
 
 
 def attack_names() -> tuple[str, ...]:
     """The registered attack kinds, built-ins first."""
-    return tuple(_ATTACKS)
+    return _ATTACKS.names()
 
 
 def attack_spec(kind: str) -> AttackSpec:
     """The attack registered as ``kind``."""
-    if kind not in _ATTACKS:
-        raise ValueError(f"attack.kind '{kind}' is unknown; choose one of: "
-                         f"{', '.join(_ATTACKS)}")
-    return _ATTACKS[kind]
+    return _ATTACKS.get(kind)
 
 
 def check_attack(scenario: ServerScenario) -> None:

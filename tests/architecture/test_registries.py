@@ -154,3 +154,41 @@ def test_unregistered_names_are_unknown_again_and_a_name_registers_once(recorded
             load_scenario("default", [*SMALL, "driver.kind=recorded"])
     finally:
         register_driver(DriverSpec("recorded", lambda ctx, secure: None))  # for the teardown
+
+
+# -- the mechanism the three registries share ---------------------------------------------
+def test_a_registry_loads_its_built_ins_once_on_first_use_and_again_after_a_failure():
+    from aggregation.registry import Registry
+
+    loads: list[int] = []
+
+    def load() -> None:
+        loads.append(1)
+        if len(loads) == 1:
+            raise RuntimeError("the built-ins failed to import")
+        registry.register("builtin", 1)
+
+    registry: Registry[int] = Registry("thing", lambda kind, names: f"no {kind} in {names}",
+                                       load=load)
+    with pytest.raises(RuntimeError):
+        registry.names()
+    assert registry.names() == ("builtin",) and registry.get("builtin") == 1
+    registry.register("extra", 2)
+    assert registry.names() == ("builtin", "extra") and len(loads) == 2
+    with pytest.raises(ValueError, match=r"^no other in builtin, extra$"):
+        registry.get("other")
+
+
+def test_a_registry_refuses_a_taken_or_reserved_name_and_forgets_an_unregistered_one():
+    from aggregation.registry import Registry
+
+    registry: Registry[str] = Registry("combine", lambda kind, names: kind, reserved=("mean",))
+    registry.register("first", "a")
+    for taken in ("first", "mean"):
+        with pytest.raises(ValueError, match=rf"^combine '{taken}' is already registered$"):
+            registry.register(taken, "b")
+    assert registry.get("first") == "a"
+    registry.unregister("first")
+    assert registry.names() == ()
+    with pytest.raises(ValueError):
+        registry.get("first")
