@@ -29,8 +29,8 @@ _PARSED: dict[tuple[type, bytes | str], object] = {}
 
 
 def _memo(key: tuple[type, bytes | str], value: object) -> None:
-    if len(_PARSED) >= _MAX_PARSED:
-        _PARSED.pop(next(iter(_PARSED)), None)
+    while _PARSED and len(_PARSED) >= _MAX_PARSED:  # the oldest first
+        _PARSED.pop(next(iter(_PARSED)))
     _PARSED[key] = value
 
 

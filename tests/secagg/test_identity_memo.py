@@ -55,3 +55,14 @@ def test_the_advertisement_encoding_is_the_generic_signed_bytes() -> None:
     short = [b"\x01" * 31, *keys[1:]]  # other lengths take the generic path
     assert mal.advert_message(1, 2, 3, *short) == signed_bytes(
         "advertise", 1, 2, int(Stage.ADVERTISE_KEYS), 3, *short)
+
+
+def test_the_memo_keeps_its_bound_when_it_already_holds_more(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries parsed before the bound shrank (earlier runs in the process) are let go."""
+    for _ in range(12):
+        TrustedKeys.from_text(TrustedKeys([Identity.generate().public]).to_text())
+    assert len(ident._PARSED) >= 12
+    monkeypatch.setattr(ident, "_MAX_PARSED", 8)
+    TrustedKeys.from_text(TrustedKeys([Identity.generate().public]).to_text())
+    assert len(ident._PARSED) <= 8
