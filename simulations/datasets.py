@@ -163,6 +163,75 @@ def _load_digits(*, seed: int, test_fraction: float) -> Dataset:
 
 SYNTHETIC_DIM = 60
 SYNTHETIC_CLASSES = 10
+_SIGMA_SQRT = np.sqrt(np.power(np.arange(1, SYNTHETIC_DIM + 1, dtype=np.float64), -1.2))
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Checked parameters of Synthetic(alpha, beta); user ``k``'s data depends on them and
+    on ``k`` only (:meth:`user`), so any user can be made alone, in any order."""
+
+    seed: int
+    alpha: float = 1.0
+    beta: float = 1.0
+    num_users: int = 30
+    iid: bool = False
+    max_samples_per_user: int | None = None
+
+    def __post_init__(self) -> None:
+        nu, cap = self.num_users, self.max_samples_per_user
+        if isinstance(nu, bool) or not isinstance(nu, (int, np.integer)) or nu < 1:
+            raise ValueError(f"synthetic: num_users must be an integer >= 1, got {nu!r}")
+        for pname in ("alpha", "beta"):
+            value = getattr(self, pname)
+            if not _is_real(value) or not np.isfinite(float(value)) or float(value) < 0:
+                raise ValueError(f"synthetic: {pname} must be a finite number >= 0, got "
+                                 f"{value!r}")
+        if not isinstance(self.iid, (bool, np.bool_)):
+            raise ValueError(f"synthetic: iid must be true or false, got {self.iid!r}")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer))
+                                or cap < 1):
+            raise ValueError("synthetic: max_samples_per_user must be an integer >= 1 or "
+                             f"omitted, got {cap!r}")
+
+    def _stream(self, *key: int) -> np.random.Generator:
+        return np.random.default_rng(np.random.SeedSequence(int(self.seed), spawn_key=key))
+
+    def count(self, k: int) -> int:
+        """User ``k``'s sample count: ``lognormal(4, 2)`` truncated, + 50, capped."""
+        n = int(self._stream(0, k, 0).lognormal(4, 2)) + 50
+        cap = self.max_samples_per_user
+        return n if cap is None else min(n, int(cap))
+
+    def user(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """User ``k``'s float64 ``x`` and int64 ``y`` (see :func:`generate_synthetic`)."""
+        dim, ncls = SYNTHETIC_DIM, SYNTHETIC_CLASSES
+        rng = self._stream(0, k, 0)
+        n = int(rng.lognormal(4, 2)) + 50
+        if self.max_samples_per_user is not None:
+            n = min(n, int(self.max_samples_per_user))
+        if self.iid:
+            shared = self._stream(1)
+            mean = np.zeros(dim)
+            w, b = shared.normal(0, 1, (dim, ncls)), shared.normal(0, 1, ncls)
+        else:
+            u = rng.normal(0, float(self.alpha))
+            big_b = rng.normal(0, float(self.beta))
+            mean = rng.normal(big_b, 1, dim)
+            w, b = rng.normal(u, 1, (dim, ncls)), rng.normal(u, 1, ncls)
+        x = mean + _SIGMA_SQRT * rng.standard_normal((n, dim))
+        return x, np.argmax(x @ w + b, axis=1).astype(np.int64)
+
+    def split(self, k: int, test_fraction: float
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """User ``k``'s float32 ``(x_train, y_train, x_test, y_test)``: ``round(test_fraction
+        * n)`` of its ``n`` samples (at most ``n - 1``) held out by a permutation from the
+        user's own split stream, both parts in generation order."""
+        x, y = self.user(k)
+        n_test = min(round(test_fraction * len(y)), len(y) - 1)
+        perm = self._stream(0, k, 1).permutation(len(y))
+        test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+        return (x[train].astype(np.float32), y[train], x[test].astype(np.float32), y[test])
 
 
 def generate_synthetic(
@@ -176,20 +245,26 @@ def generate_synthetic(
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-user ``(x, y)`` of Synthetic(alpha, beta), Li et al. 2020 (FedProx), float64 x.
 
-    Follows the reference generator (litian96/FedProx, data/synthetic_*/generate_synthetic.py
-    and data/synthetic_iid/generate_iid.py), with ``rng = np.random.default_rng(seed)`` drawing,
-    in this order:
+    The formulas of the reference generator (litian96/FedProx,
+    data/synthetic_*/generate_synthetic.py and data/synthetic_iid/generate_iid.py), for
+    user k (dimension 60, 10 classes):
 
-    1. ``n = rng.lognormal(4, 2, num_users).astype(int) + 50``, then capped at
-       ``max_samples_per_user`` if given.
-    2. non-iid: ``u = rng.normal(0, alpha, U)`` (alpha is the standard deviation, as in the
-       reference), ``B = rng.normal(0, beta, U)``, ``v = rng.normal(B[:, None], 1, (U, 60))``;
-       iid: ``v = 0``, ``W = rng.normal(0, 1, (60, 10))``, ``b = rng.normal(0, 1, 10)`` shared
-       by all users (alpha and beta unused, as in the reference).
-    3. for each user k in order: non-iid ``W_k = rng.normal(u_k, 1, (60, 10))``,
-       ``b_k = rng.normal(u_k, 1, 10)``; then ``x = v_k + sqrt(diag(Sigma)) *
-       rng.standard_normal((n_k, 60))`` with ``Sigma_jj = j^-1.2`` (j = 1..60), and
-       ``y = argmax(x @ W_k + b_k)`` (= argmax of the softmax, without its overflow).
+    - ``n_k = lognormal(4, 2)`` truncated to an integer, ``+ 50``, then capped at
+      ``max_samples_per_user`` if given;
+    - non-iid: ``u_k ~ N(0, alpha)`` (alpha is the standard deviation, as in the
+      reference), ``B_k ~ N(0, beta)``, ``v_k ~ N(B_k, 1)^60``, ``W_k ~ N(u_k, 1)^(60x10)``,
+      ``b_k ~ N(u_k, 1)^10``; iid: ``v_k = 0`` and one ``W ~ N(0, 1)``, ``b ~ N(0, 1)``
+      shared by all users (alpha and beta unused, as in the reference);
+    - ``x = v_k + sqrt(diag(Sigma)) * N(0, 1)^(n_k x 60)`` with ``Sigma_jj = j^-1.2``
+      (j = 1..60), ``y = argmax(x @ W_k + b_k)`` (= argmax of the softmax, without its
+      overflow).
+
+    The draw order differs from the reference script, which draws every user's count, then
+    every ``u``, ``B``, ``v`` from one stream: here each user has its own stream, seeded by
+    (``seed``, k) only (``SeedSequence(seed, spawn_key=(0, k, 0))``), drawing ``n_k, u_k, B_k,
+    v_k, W_k, b_k, x`` in that order; the iid ``W, b`` come from ``spawn_key=(1,)``. So user k
+    can be made alone, the same every time, whether the population is held in memory or
+    made on demand (:mod:`simulations.population`).
 
     Note, inherent to the published formulas: ``W_k = u_k + Z`` and ``b_k = u_k + z`` shift
     every class logit by the same ``u_k * (sum(x) + 1)``, so ``alpha`` cannot change any label;
@@ -212,50 +287,10 @@ def synthetic_users(*, seed: int, alpha: float, beta: float, num_users: int, iid
     """(each user's sample count, an iterator over the users' (x, y)): the draws of
     :func:`generate_synthetic` (checked arguments), one user at a time, so that a loader
     keeps only one user's float64 samples besides what it stores."""
-    if isinstance(num_users, bool) or not isinstance(num_users, (int, np.integer)) or num_users < 1:
-        raise ValueError(f"synthetic: num_users must be an integer >= 1, got {num_users!r}")
-    for pname, value in (("alpha", alpha), ("beta", beta)):
-        if not _is_real(value) or not np.isfinite(float(value)) or float(value) < 0:
-            raise ValueError(f"synthetic: {pname} must be a finite number >= 0, got {value!r}")
-    if not isinstance(iid, (bool, np.bool_)):
-        raise ValueError(f"synthetic: iid must be true or false, got {iid!r}")
-    if max_samples_per_user is not None and (
-        isinstance(max_samples_per_user, bool)
-        or not isinstance(max_samples_per_user, (int, np.integer))
-        or max_samples_per_user < 1
-    ):
-        raise ValueError(
-            "synthetic: max_samples_per_user must be an integer >= 1 or omitted, "
-            f"got {max_samples_per_user!r}"
-        )
-
-    rng = np.random.default_rng(seed)
-    dim, ncls, nu = SYNTHETIC_DIM, SYNTHETIC_CLASSES, int(num_users)
-    counts = rng.lognormal(4, 2, nu).astype(np.int64) + 50
-    if max_samples_per_user is not None:
-        counts = np.minimum(counts, int(max_samples_per_user))
-    sigma_sqrt = np.sqrt(np.power(np.arange(1, dim + 1, dtype=np.float64), -1.2))
-
-    if iid:
-        means = np.zeros((nu, dim))
-        w_shared = rng.normal(0, 1, (dim, ncls))
-        b_shared = rng.normal(0, 1, ncls)
-    else:
-        u = rng.normal(0, float(alpha), nu)
-        big_b = rng.normal(0, float(beta), nu)
-        means = rng.normal(big_b[:, None], 1, (nu, dim))
-
-    def users() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for k in range(nu):
-            if iid:
-                w, b = w_shared, b_shared
-            else:
-                w = rng.normal(u[k], 1, (dim, ncls))
-                b = rng.normal(u[k], 1, ncls)
-            x = means[k] + sigma_sqrt * rng.standard_normal((int(counts[k]), dim))
-            yield x, np.argmax(x @ w + b, axis=1).astype(np.int64)
-
-    return counts, users()
+    spec = SyntheticSpec(seed=seed, alpha=alpha, beta=beta, num_users=num_users, iid=iid,
+                         max_samples_per_user=max_samples_per_user)
+    counts = np.array([spec.count(k) for k in range(int(num_users))], dtype=np.int64)
+    return counts, (spec.user(k) for k in range(int(num_users)))
 
 
 def _load_synthetic(
@@ -268,11 +303,12 @@ def _load_synthetic(
     iid: bool = False,
     max_samples_per_user: int | None = None,
 ) -> Dataset:
-    counts, users = synthetic_users(seed=seed, alpha=alpha, beta=beta, num_users=num_users,
-                                    iid=iid, max_samples_per_user=max_samples_per_user)
-    # Per-user hold-out, drawn after generation from a child stream so that the data itself
-    # depends only on the generation parameters. The outputs are allocated once, in
-    # float32, and filled user by user: the peak is the data plus one user's samples.
+    """Every user's :meth:`SyntheticSpec.split`, concatenated in user order. The outputs are
+    allocated once, in float32, and filled user by user: the peak is the data plus one
+    user's samples."""
+    spec = SyntheticSpec(seed=seed, alpha=alpha, beta=beta, num_users=num_users, iid=iid,
+                         max_samples_per_user=max_samples_per_user)
+    counts = np.array([spec.count(k) for k in range(int(num_users))], dtype=np.int64)
     n_test = np.minimum(np.round(test_fraction * counts).astype(np.int64), counts - 1)
     n_train = counts - n_test
     dim = SYNTHETIC_DIM
@@ -281,16 +317,12 @@ def _load_synthetic(
     x_test = np.empty((int(n_test.sum()), dim), np.float32)
     y_test = np.empty(len(x_test), np.int64)
     groups = np.repeat(np.arange(len(counts), dtype=np.int64), n_train)
-    split_rng = np.random.default_rng([seed, 1])
     tr = te = 0
-    for k, (x, y) in enumerate(users):
-        perm = split_rng.permutation(len(y))
-        test_idx, train_idx = np.sort(perm[:n_test[k]]), np.sort(perm[n_test[k]:])
-        x_train[tr:tr + len(train_idx)] = x[train_idx]
-        y_train[tr:tr + len(train_idx)] = y[train_idx]
-        x_test[te:te + len(test_idx)] = x[test_idx]
-        y_test[te:te + len(test_idx)] = y[test_idx]
-        tr, te = tr + len(train_idx), te + len(test_idx)
+    for k in range(len(counts)):
+        xtr, ytr, xte, yte = spec.split(k, test_fraction)
+        x_train[tr:tr + len(ytr)], y_train[tr:tr + len(ytr)] = xtr, ytr
+        x_test[te:te + len(yte)], y_test[te:te + len(yte)] = xte, yte
+        tr, te = tr + len(ytr), te + len(yte)
     return Dataset(
         name="synthetic",
         x_train=x_train,

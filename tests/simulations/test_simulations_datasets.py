@@ -96,31 +96,35 @@ def test_digits_split_follows_seed_and_fraction(digits):
 SIGMA_SQRT = np.sqrt(np.arange(1, 61, dtype=np.float64) ** -1.2)
 
 
+def _stream(seed, *key):
+    return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=key))
+
+
 def regenerate(seed, alpha, beta, num_users, cap, iid=False):
-    """Synthetic(alpha, beta) written out from the documented formulas, independently."""
-    rng = np.random.default_rng(seed)
-    n = np.minimum(np.floor(rng.lognormal(4, 2, num_users)).astype(int) + 50, cap)
-    models = []
-    if iid:
-        v = np.zeros((num_users, 60))
-        w, b = rng.normal(0, 1, (60, 10)), rng.normal(0, 1, 10)
-    else:
-        u = rng.normal(0, alpha, num_users)
-        big_b = rng.normal(0, beta, num_users)
-        v = np.stack([rng.normal(big_b[k], 1, 60) for k in range(num_users)])
-    xs, ys = [], []
+    """Synthetic(alpha, beta) written out from the documented formulas, independently: each
+    user k from its own stream (seed, k), the iid model from the shared stream."""
+    n, models, xs, ys = [], [], [], []
     for k in range(num_users):
-        if not iid:
-            w = rng.normal(u[k], 1, (60, 10))
-            b = rng.normal(u[k], 1, 10)
+        rng = _stream(seed, 0, k, 0)
+        n.append(min(int(np.floor(rng.lognormal(4, 2))) + 50, cap))
+        if iid:
+            shared = _stream(seed, 1)
+            v = np.zeros(60)
+            w, b = shared.normal(0, 1, (60, 10)), shared.normal(0, 1, 10)
+        else:
+            u = rng.normal(0, alpha)
+            big_b = rng.normal(0, beta)
+            v = rng.normal(big_b, 1, 60)
+            w = rng.normal(u, 1, (60, 10))
+            b = rng.normal(u, 1, 10)
         models.append((w, b))
-        x = v[k] + SIGMA_SQRT * rng.standard_normal((n[k], 60))
+        x = v + SIGMA_SQRT * rng.standard_normal((n[k], 60))
         logits = x @ w + b
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
         xs.append(x)
         ys.append(np.argmax(p, axis=1))
-    return n, xs, ys, models
+    return np.array(n), xs, ys, models
 
 
 @pytest.mark.parametrize("iid", [False, True])
@@ -361,11 +365,10 @@ def test_synthetic_loader_fills_float32_outputs_with_a_peak_under_twice_the_data
     assert peak < 2 * data, (peak, data)
     # the reference: every user in float64, split by the same child stream, concatenated
     xs, ys = generate_synthetic(seed=3, **kwargs)
-    split_rng = np.random.default_rng([3, 1])
     tr_x, tr_y, te_x, groups = [], [], [], []
     for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
         n_test = min(round(0.25 * len(y)), len(y) - 1)
-        perm = split_rng.permutation(len(y))
+        perm = _stream(3, 0, k, 1).permutation(len(y))
         tr, te = np.sort(perm[n_test:]), np.sort(perm[:n_test])
         tr_x.append(x[tr])
         tr_y.append(y[tr])
@@ -375,3 +378,23 @@ def test_synthetic_loader_fills_float32_outputs_with_a_peak_under_twice_the_data
     np.testing.assert_array_equal(ds.y_train, np.concatenate(tr_y))
     np.testing.assert_array_equal(ds.x_test, np.concatenate(te_x).astype(np.float32))
     np.testing.assert_array_equal(ds.groups, np.concatenate(groups))
+
+
+def test_synthetic_user_is_made_alone_the_same_as_in_the_loaded_set():
+    """User k depends on (seed, k) only: made alone, in any order, it is the loader's rows."""
+    from simulations.datasets import SyntheticSpec
+
+    d = load_dataset("synthetic", seed=7, num_users=9, test_fraction=0.3,
+                     max_samples_per_user=300)
+    spec = SyntheticSpec(seed=7, num_users=9, max_samples_per_user=300)
+    test_at = np.cumsum([0] + [len(spec.split(k, 0.3)[3]) for k in range(9)])
+    for k in (8, 3, 0, 3):
+        xtr, ytr, xte, yte = spec.split(k, 0.3)
+        np.testing.assert_array_equal(xtr, d.x_train[d.groups == k])
+        np.testing.assert_array_equal(ytr, d.y_train[d.groups == k])
+        np.testing.assert_array_equal(xte, d.x_test[test_at[k]:test_at[k + 1]])
+        np.testing.assert_array_equal(yte, d.y_test[test_at[k]:test_at[k + 1]])
+    # more users leave the first ones as they were
+    more = load_dataset("synthetic", seed=7, num_users=12, test_fraction=0.3,
+                        max_samples_per_user=300)
+    np.testing.assert_array_equal(more.x_train[more.groups < 9], d.x_train)
