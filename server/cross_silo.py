@@ -26,6 +26,8 @@ hold the ring's figures.
 
 With ``[secagg] enabled`` the silos are SecAgg+ clients and the ring sums their masked
 vectors instead (``server.cross_silo_secure``): the server sees only the masked sum.
+With ``silo.learners`` > 1 every training message of silo rounds (plain, secure, gossip)
+also carries the learner keys (``client.protocol.learners``, :class:`SiloRunContext`).
 """
 
 from __future__ import annotations
@@ -283,13 +285,35 @@ class RingCollector(Protocol):
                 order: list[int]) -> RoundResult: ...
 
 
+class SiloRunContext:
+    """The run's context as silo rounds see it: the same object, except that every training
+    message's config also carries the silo's learner keys."""
+
+    def __init__(self, ctx: RunContext, learners: dict[str, Any]) -> None:
+        object.__setattr__(self, "_ctx", ctx)
+        object.__setattr__(self, "_learners", learners)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._ctx, name, value)
+
+    def train_config(self, server_round: int, compression: str | None = None) -> ConfigRecord:
+        config = self._ctx.train_config(server_round, compression)
+        config.update(self._learners)
+        return config
+
+
 class CrossSiloRounds(RoundSource):
     """Synchronous rounds whose aggregate the silos compute among themselves over a ring
     (``ring``: the plain ring, or ``server.cross_silo_secure.SecureRing``)."""
 
     def __init__(self, ctx: RunContext, *, silo: SiloConfig, aggregation: AggregationConfig,
                  ring: RingCollector | None = None) -> None:
-        self.ctx = ctx
+        learners = silo.learner_spec().config()
+        self.ctx: RunContext = (SiloRunContext(ctx, learners)  # type: ignore[assignment]
+                                if learners else ctx)
         self.silo = silo
         self.combine, self.weight_by = aggregation.combine, aggregation.weight_by
         self.max_norm = float(aggregation.max_norm)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from aggregation.gossip import TOPOLOGIES
 from aggregation.ring import ALGORITHMS
+from client.protocol.learners import LearnerSpec
 from server.config import check_choice
 
 CROSS_SILO = "cross_silo"
@@ -32,6 +33,12 @@ class SiloConfig:
     for up to ``join_timeout_s`` (training times differ); once the ring runs, a silo
     that makes no progress for ``ring_timeout_s`` fails the round. ``backend`` "nccl"
     needs a GPU in every silo.
+
+    ``learners`` > 1 trains that many replicas per silo process, synchronised by
+    synchronous model averaging (Crossbow's SMA, ``client.silo.learners``): each step
+    every learner moves ``sma_correction`` (alpha) of the way towards the silo's average
+    model, which takes the mean of those corrections plus ``sma_momentum`` (mu) times its
+    previous step. ``learners`` = 1 is DDP, unchanged.
     """
 
     rendezvous_host: str = "127.0.0.1"
@@ -40,8 +47,12 @@ class SiloConfig:
     ring_timeout_s: float = 30.0
     algorithm: str = "ring"
     backend: str = "gloo"
+    learners: int = 1
+    sma_momentum: float = 0.9
+    sma_correction: float = 0.1
 
     def __post_init__(self) -> None:
+        self.learner_spec()  # bounds: LearnerSpec, which the silos read back
         if not self.rendezvous_host.strip():
             raise ValueError("silo.rendezvous_host must be an address silos can reach")
         if not 0 <= self.rendezvous_port < 65536:
@@ -53,6 +64,11 @@ class SiloConfig:
             raise ValueError(f"silo.ring_timeout_s must be > 0, got {self.ring_timeout_s}")
         check_choice("silo.algorithm", self.algorithm, ALGORITHMS)
         check_choice("silo.backend", self.backend, RING_BACKENDS)
+
+    def learner_spec(self) -> LearnerSpec:
+        """What the silos' training messages carry (``client.protocol.learners``)."""
+        return LearnerSpec(learners=self.learners, momentum=self.sma_momentum,
+                           correction=self.sma_correction)
 
     def failure_grace_s(self) -> float:
         """How long the server waits, once a silo reported a failure, for a silo still

@@ -5,6 +5,8 @@ A silo answers the same messages as any fedring client, and one more:
 - ``train``: load the global model, train on the silo's partition, reply with the delta.
   With a :class:`~client.silo.job.SiloGroup` of several processes (``fedring silo
   --nproc-per-node N``) training is DDP over them; alone it is ``client.training.train``.
+  When the train config asks for ``silo.learners`` > 1 (``client.protocol.learners``),
+  each process trains that many learners with SMA instead (``client.silo.learners``).
 - ``train.cross_silo``: train likewise, then join the round's ring with the other silos
   (``client.silo.ring``) and reply with the digest of the aggregate; the silo at ring
   rank 0 adds the aggregate itself. The server never sees a single silo's delta.
@@ -52,6 +54,7 @@ from client.protocol.errors import WireError
 from client.protocol.evaluation import ClientEvaluation
 from client.protocol.gossip import GOSSIP_ACTION, GossipMetric, GossipSpec
 from client.protocol.keys import ConfigKey, MetricKey, RecordName
+from client.protocol.learners import LearnerSpec
 from client.protocol.ring import (
     CROSS_SILO_ACTION,
     RingKey,
@@ -66,6 +69,7 @@ from client.protocol.train import read_dp_sgd_prior_rounds
 from client.protocol.updates import delta_record, flatten_model, model_views
 from client.secure_client import SecureClient, register_secagg
 from client.silo.gossip import HeldModel, mix
+from client.silo.learners import train_learners
 from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
 from client.training import evaluate, train
@@ -140,7 +144,8 @@ class Group(Protocol):
 
     size: int
 
-    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int) -> float: ...
+    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
+              learners: LearnerSpec | None = None) -> float: ...
 
 
 def update_problem(delta: np.ndarray, max_norm: float) -> tuple[str | None, float]:
@@ -206,8 +211,14 @@ class SiloClient(FedringClient):
         worker.to_module()
         seed = training_seed(worker.task.seed, int(config.get(ConfigKey.SERVER_ROUND, 0)), pid)
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
+        learners = LearnerSpec.of(config)
         if self.group is not None and self.group.size > 1:
-            loss = self.group.train(worker, key, pid, seed)
+            loss = self.group.train(worker, key, pid, seed, learners)
+        elif learners.learners > 1:
+            try:
+                loss = train_learners(worker.module, x, y, cfg, learners, seed=seed)
+            except ValueError as exc:
+                raise WireError(str(exc)) from None
         elif cfg.dp_sgd:  # composed with this silo's earlier rounds
             loss, figures = dp_sgd_round(worker.module, x, y, cfg, context.state,
                                          read_dp_sgd_prior_rounds(config))

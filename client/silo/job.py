@@ -6,7 +6,9 @@ started with ``--isolation process`` (``client.executor``), serving the silo Cli
 training task the leader publishes a small command (task, partition, seed) in the job's
 rendezvous store, and every rank then trains the same model data-parallel
 (``client.silo.training.train_ddp``); DDP hands rank 0's parameters, the global model,
-to all ranks. Only the leader joins cross-silo rings and replies.
+to all ranks. With ``silo.learners`` > 1 the command carries the learner spec and every
+rank trains its learners with SMA instead (``client.silo.learners``), from rank 0's model,
+which the leader broadcasts first. Only the leader joins cross-silo rings and replies.
 
 On CPUs the processes form a gloo group; with ``--device cuda`` (or ``auto`` where CUDA
 is present) each process drives the GPU of its local rank over NCCL. A rank that dies
@@ -23,6 +25,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 from client.executor import WarmExecutor
+from client.protocol.learners import LearnerSpec
 from client.silo.app import SiloClient, SiloWorker, WorkerCache, make_silo_client_app
+from client.silo.learners import check_learners, train_learners
 from client.silo.options import DEVICES, add_worker_options
 from client.silo.ring import loopback_interface, warm_up
 from client.silo.training import check_silo_training, train_ddp
@@ -78,13 +83,20 @@ class SiloGroup:
             time.sleep(self.poll_s)
         return json.loads(self.store.get(key))
 
-    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int) -> float:
-        """Leader: train ``worker``'s module with every rank of the silo (DDP), on the
-        partition less its held-out split."""
+    def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
+              learners: LearnerSpec | None = None) -> float:
+        """Leader: train ``worker``'s module with every rank of the silo (DDP, or SMA
+        learners when ``learners`` asks for more than one), on the partition less its
+        held-out split."""
         check_silo_training(worker.task.train_config)  # before any follower starts
-        self.publish({"op": "train", "task": task_key, "partition": pid, "seed": seed})
+        command: dict[str, Any] = {"op": "train", "task": task_key, "partition": pid,
+                                   "seed": seed}
+        if learners is not None and learners.learners > 1:
+            check_learners(worker.module, worker.task.train_config)  # likewise
+            command["learners"] = asdict(learners)
+        self.publish(command)
         x, y = worker.partition(pid)
-        return train_ddp(worker.module, x, y, worker.task.train_config, seed=seed)
+        return train_rank(worker, x, y, seed, learners)
 
     def stop(self) -> None:
         """Leader: tell the followers to exit."""
@@ -100,8 +112,20 @@ def follow(group: SiloGroup, workers: WorkerCache) -> int:
             return done
         worker = workers.get(cmd["task"])
         x, y = worker.partition(int(cmd["partition"]))
-        train_ddp(worker.module, x, y, worker.task.train_config, seed=int(cmd["seed"]))
+        spec = LearnerSpec(**cmd["learners"]) if "learners" in cmd else None
+        train_rank(worker, x, y, int(cmd["seed"]), spec)
         done += 1
+
+
+def train_rank(worker: SiloWorker, x: torch.Tensor, y: torch.Tensor, seed: int,
+               learners: LearnerSpec | None) -> float:
+    """This rank's part of the silo's training: DDP, or SMA learners from rank 0's model."""
+    if learners is None or learners.learners == 1:
+        return train_ddp(worker.module, x, y, worker.task.train_config, seed=seed)
+    with torch.no_grad():  # DDP broadcasts rank 0's parameters when it wraps the module
+        for p in worker.module.parameters():
+            dist.broadcast(p, src=0)
+    return train_learners(worker.module, x, y, worker.task.train_config, learners, seed=seed)
 
 
 class SiloExecutor(WarmExecutor):

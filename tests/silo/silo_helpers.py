@@ -18,6 +18,7 @@ import pytest
 
 from client.app import training_seed
 from client.flat_model import FlatModel
+from client.silo.learners import train_learners
 from client.training import train
 from simulations import deploy
 from simulations.config import load_scenario
@@ -52,6 +53,24 @@ def expected_first_round(config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray
     expected = np.average(np.stack(deltas), axis=0, weights=weights)
     assert np.abs(expected).max() > 1e-3  # the check below is not vacuous
     return initial, expected
+
+
+def trained_silo(config: dict[str, Any], start: np.ndarray, pid: int, rnd: int) -> np.ndarray:
+    """Silo ``pid``'s model after its local training from ``start`` in round ``rnd``, alone:
+    ``client.training.train``, or its SMA learners when ``silo.learners`` > 1."""
+    from server.cross_silo_config import SiloConfig
+
+    task = ScenarioTask.from_config(config)
+    model = FlatModel(task.build_model())
+    model.load(start)
+    x, y = task.partition(pid)  # the partition less the held-out split
+    seed = training_seed(task.seed, rnd, pid)
+    spec = SiloConfig(**config.get("silo", {})).learner_spec()
+    if spec.learners > 1:
+        train_learners(model.module, x, y, task.train_config, spec, seed=seed)
+    else:
+        train(model.module, x, y, task.train_config, seed=seed)
+    return model.flat_np.copy()
 
 
 def run_ddp_worker(out: Path, nproc: int, kind: str) -> dict:

@@ -19,16 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from flwr.app import Context, Error, Message
-from silo_helpers import join_then_die, scenario, survivors_of_a_dead_peer
+from silo_helpers import join_then_die, scenario, survivors_of_a_dead_peer, trained_silo
 
 from aggregation.gossip import metropolis_hastings, topology
 from aggregation.ring import RingError
-from client.app import training_seed
 from client.flat_model import FlatModel
 from client.protocol.npy import npy_view
 from client.protocol.ring import RingRecord, RingSpec
 from client.silo.gossip import GOSSIP_STATE, mix
-from client.training import evaluate, train
+from client.training import evaluate
 from server.gossip import GossipCollector
 from simulations.apps import spec_from_run_config
 from simulations.config import load_scenario
@@ -161,23 +160,14 @@ class Recorder:
         return reply
 
 
-def trained_alone(config: dict[str, Any], start: np.ndarray, pid: int, rnd: int) -> np.ndarray:
-    """Silo ``pid``'s model after its local training from ``start`` in round ``rnd``."""
-    task = ScenarioTask.from_config(config)
-    model = FlatModel(task.build_model())
-    model.load(start)
-    x, y = task.partition(pid)  # the partition less the held-out split
-    train(model.module, x, y, task.train_config, seed=training_seed(task.seed, rnd, pid))
-    return model.flat_np.copy()
-
-
-@pytest.mark.parametrize("irregular", [False, True])
+# learners = 2: each silo trains two SMA learners and mixes its average model
+@pytest.mark.parametrize("irregular, learners", [(False, 1), (True, 1), (False, 2)])
 def test_a_gossip_round_mixes_the_silos_trained_models_and_stores_their_figures(
-        run_inprocess, store, monkeypatch, irregular: bool) -> None:
+        run_inprocess, store, monkeypatch, irregular: bool, learners: int) -> None:
     if irregular:  # the server hands out IRREGULAR: a silo's weights differ by neighbour
         monkeypatch.setattr(GossipCollector, "mixing", lambda self, seed, rnd, n: (
             [sorted(a) for a in IRREGULAR], metropolis_hastings(IRREGULAR)))
-    config = gossip_scenario(rounds=1)
+    config = gossip_scenario(rounds=1, **{"silo.learners": learners})
     rec = Recorder()
     grid = ConcurrentGrid(rec, SILOS)
     summary = run_inprocess(config, grid=grid)
@@ -187,7 +177,7 @@ def test_a_gossip_round_mixes_the_silos_trained_models_and_stores_their_figures(
     node_pid = {node: grid._contexts[node].node_config["partition-id"]
                 for node in grid._contexts}
     order = [rec.ranks[(1, r)] for r in range(SILOS)]
-    x = np.stack([trained_alone(config, initial, node_pid[node], 1) for node in order])
+    x = np.stack([trained_silo(config, initial, node_pid[node], 1) for node in order])
     adjacency = [frozenset(rec.neighbours[(1, r)]) for r in range(SILOS)]
     assert all(r in adjacency[j] for r in range(SILOS) for j in adjacency[r])  # undirected
     assert (adjacency == IRREGULAR) == irregular

@@ -1,0 +1,63 @@
+"""Learners inside a silo: the train config keys that carry ``silo.learners`` and SMA.
+
+Silo rounds (cross-silo, secure cross-silo, gossip) add these keys to every training
+message's ConfigRecord when ``silo.learners`` > 1; a message without them asks for one
+replica per process (DDP). ``client.silo.learners`` reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ConfigRecord
+
+from client.protocol.errors import WireError
+from client.protocol.names import Names
+
+
+class LearnerKey(Names):
+    """Keys of the train ConfigRecord for learners with synchronous model averaging."""
+
+    LEARNERS = "fedring.silo-learners"  # replicas per silo process
+    MOMENTUM = "fedring.sma-momentum"  # mu: the average model's momentum
+    CORRECTION = "fedring.sma-correction"  # alpha: each learner's step towards the average
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """``learners`` replicas per process, synchronised by SMA (``momentum``, ``correction``)."""
+
+    learners: int = 1
+    momentum: float = 0.0
+    correction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.learners, bool) or not isinstance(self.learners, int) \
+                or self.learners < 1:
+            raise ValueError(f"silo.learners must be an integer >= 1, got {self.learners!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"silo.sma_momentum must be in [0, 1), got {self.momentum!r}")
+        if not 0 < self.correction <= 0.5:
+            raise ValueError(f"silo.sma_correction must be in (0, 0.5], got "
+                             f"{self.correction!r}: above 0.5 the average model overshoots "
+                             "the learners' mean every step")
+
+    def config(self) -> dict[str, Any]:
+        """The keys a training message carries (none for one learner: DDP)."""
+        if self.learners == 1:
+            return {}
+        return {LearnerKey.LEARNERS: self.learners, LearnerKey.MOMENTUM: self.momentum,
+                LearnerKey.CORRECTION: self.correction}
+
+    @classmethod
+    def of(cls, config: ConfigRecord) -> LearnerSpec:
+        """The spec a training message's config asks for (one learner when it says none)."""
+        if LearnerKey.LEARNERS not in config:
+            return cls()
+        try:
+            return cls(learners=config[LearnerKey.LEARNERS],  # type: ignore[arg-type]
+                       momentum=float(config[LearnerKey.MOMENTUM]),  # type: ignore[arg-type]
+                       correction=float(config[LearnerKey.CORRECTION]))  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"bad learner keys in the train config: {exc}") from None

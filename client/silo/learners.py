@@ -1,0 +1,157 @@
+"""Several learners per silo process, synchronised by synchronous model averaging (SMA).
+
+Crossbow (Koliousis et al., VLDB 2019, section 3, Algorithm 1) keeps small batches
+efficient by training ``L`` independent replicas ("learners") per device and pulling
+them together through a central average model ``z``. fedring runs it inside a silo of
+``P`` processes, each training its ``L`` learners as ONE batched computation
+(``torch.func.vmap`` of ``grad(functional_call(model))`` over stacked parameters, as
+``client.batched_training`` trains a cohort). Every step, for each of the ``P * L``
+learners ``j`` (weights ``w_j``, gradient ``g_j`` of its own batch's mean loss at
+``w_j``):
+
+    c_j   = alpha * (w_j - z)                        the correction, at the pre-step w_j
+    w_j  <- w_j - lr * g_j - c_j                     (SGD; train.momentum and
+                                                      train.weight_decay act on g_j)
+    z    <- z + mean_j(c_j) + mu * (z - z_prev)      the mean over all P * L learners
+
+with ``alpha`` = ``silo.sma_correction`` and ``mu`` = ``silo.sma_momentum``. The
+corrections are summed over the silo's processes with one ``dist.all_reduce`` of the
+silo's group per step (the group DDP uses). Like the paper, the correction is taken at
+the learner's weights before its gradient step (the weights the gradient is computed
+at), and the learners and ``z`` all start from the global model. Unlike the paper,
+whose ``z`` moves by the SUM of the corrections (with ``alpha`` about ``1/L``), ``z``
+here moves by their MEAN: ``alpha`` then means the same for any ``P * L``, and, without
+momentum, the gap between ``z`` and the learners' mean shrinks by ``1 - 2 * alpha`` per
+step, so ``alpha <= 1/2`` never overshoots (``LearnerSpec``).
+
+Batches: every process draws the round's batch order as ``client.training.train`` does
+(a seeded ``randperm`` per epoch, batches of ``train.batch_size``); all epochs' batches,
+in order, are dealt ``P * L`` per step: learner ``j`` of rank ``r`` (global index
+``r * L + j``) takes batch ``s * P * L + r * L + j`` at step ``s``. A learner without a
+batch in the last step takes no gradient step but is still corrected. The silo's update
+is its average model's delta, ``z_end - start``: ``z_end`` is written into the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call, grad_and_value, vmap
+from torch.nn import functional as F
+
+from client.protocol.learners import LearnerSpec
+from client.training import TrainConfig
+
+# on_step(step, learners [L, D], z [D]) after every step (tests compare the trajectory)
+StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def check_learners(module: torch.nn.Module, cfg: TrainConfig) -> None:
+    """Settings learners with SMA cannot honour (a clear error naming the key)."""
+    if cfg.dp_sgd:
+        raise ValueError("DP-SGD (train.dp_sgd_noise_multiplier > 0) is not supported with "
+                         "silo.learners > 1: set silo.learners = 1")
+    if cfg.proximal_mu > 0:
+        raise ValueError("FedProx (train.proximal_mu > 0) is not supported with "
+                         "silo.learners > 1: set train.proximal_mu = 0 or silo.learners = 1")
+    if cfg.optimizer != "sgd":
+        raise ValueError(f"silo.learners > 1 trains with SGD, got train.optimizer = "
+                         f"'{cfg.optimizer}': set train.optimizer = 'sgd' or silo.learners = 1")
+    buffers = [name for name, _ in module.named_buffers()]
+    if buffers:
+        raise ValueError(f"silo.learners > 1 cannot average buffers ({', '.join(buffers[:3])}:"
+                         " batch statistics): use a model without batch norm or "
+                         "silo.learners = 1")
+
+
+def deal_batches(n: int, cfg: TrainConfig, seed: int, total: int) -> list[list[torch.Tensor]]:
+    """Each step's batches for ``total`` learners (empty tensors where none is left):
+    the round's batch order, as ``client.training.train`` draws it, dealt in turn."""
+    gen = torch.Generator().manual_seed(seed)
+    batches: list[torch.Tensor] = []
+    for _ in range(cfg.local_epochs):
+        order = torch.randperm(n, generator=gen)
+        batches += [order[i:i + cfg.batch_size] for i in range(0, n, cfg.batch_size)]
+    empty = torch.zeros(0, dtype=torch.long)
+    return [[batches[i] if i < len(batches) else empty for i in range(s, s + total)]
+            for s in range(0, len(batches), total)]
+
+
+def _plan(step: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [L, width], weight [L, width]): each learner's batch padded with example 0,
+    each real example weighing 1 / its batch's size (a mean), padding 0."""
+    index = torch.zeros(len(step), width, dtype=torch.long)
+    weight = torch.zeros(len(step), width)
+    for j, idx in enumerate(step):
+        index[j, :len(idx)] = idx
+        weight[j, :len(idx)] = 1.0 / max(len(idx), 1)
+    return index, weight
+
+
+def train_learners(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                   cfg: TrainConfig, spec: LearnerSpec, *, seed: int,
+                   group: dist.ProcessGroup | None = None,
+                   on_step: StepHook | None = None) -> float:
+    """Train ``spec.learners`` learners on this process (and every process of ``group``,
+    when torch.distributed is initialised) with SMA from ``module``'s parameters; write
+    the average model ``z`` into ``module``; the mean training loss over all learners'
+    batches. Every process calls it with the same data, config, seed and start."""
+    check_learners(module, cfg)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    world = dist.get_world_size(group) if distributed else 1
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    params = dict(module.named_parameters())
+    shapes = [params[n].shape for n in names]
+    sizes = [params[n].numel() for n in names]
+    device = params[names[0]].device
+    start = torch.cat([params[n].detach().reshape(-1) for n in names])
+    count, total = spec.learners, spec.learners * world
+    w = start.unsqueeze(0).repeat(count, 1)  # this process's learners [L, D]
+    z, z_prev = start.clone(), start.clone()
+    buf: torch.Tensor | None = None  # the learners' SGD momentum
+
+    def views(flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: part.view(shape) for n, part, shape in
+                zip(names, flat.split(sizes), shapes, strict=True)}
+
+    def loss_of(flat: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor,
+                weight: torch.Tensor) -> torch.Tensor:
+        out = functional_call(module, views(flat), (xb,))
+        return (F.cross_entropy(out, yb, reduction="none") * weight).sum()
+
+    grads_of = vmap(grad_and_value(loss_of))
+    module.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    batches = torch.zeros((), dtype=torch.float64, device=device)
+    for s, step in enumerate(deal_batches(len(x), cfg, seed, total)):
+        mine = step[rank * count:(rank + 1) * count]
+        width = max(1, max(len(i) for i in mine))
+        index, weight = _plan(mine, width)
+        index, weight = index.to(device), weight.to(device)
+        g, loss = grads_of(w, x[index], y[index], weight)
+        has = torch.tensor([len(i) > 0 for i in mine], device=device)
+        loss_sum += loss.detach().double().sum()
+        batches += has.sum()
+        if cfg.weight_decay:
+            g = g + cfg.weight_decay * w * has[:, None]
+        if cfg.momentum:
+            buf = g if buf is None else torch.where(has[:, None], cfg.momentum * buf + g, buf)
+            g = buf * has[:, None]
+        c = spec.correction * (w - z)
+        w = w - cfg.lr * g - c
+        c_sum = c.sum(0)
+        if world > 1:
+            dist.all_reduce(c_sum, group=group)
+        z, z_prev = z + c_sum / total + spec.momentum * (z - z_prev), z
+        if on_step is not None:
+            on_step(s, w, z)
+    with torch.no_grad():
+        for n, part in views(z).items():
+            params[n].copy_(part)
+    figures = torch.stack([loss_sum, batches])
+    if world > 1:
+        dist.all_reduce(figures, group=group)
+    return float(figures[0] / figures[1].clamp(min=1))

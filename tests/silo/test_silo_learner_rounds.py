@@ -1,0 +1,88 @@
+"""Silo rounds whose silos train SMA learners (``silo.learners`` = 2), on the in-process
+engine: plain and secure cross-silo rounds apply the mean of the silos' average-model
+deltas (gossip: ``test_silo_gossip``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message
+from silo_helpers import SILOS, scenario, trained_silo
+
+from client.protocol.learners import LearnerKey
+from server.secagg_config import SecAggScenarioConfig
+from simulations.apps import spec_from_run_config
+from simulations.silo_engine import ConcurrentGrid, silo_client_app
+from simulations.task import ScenarioTask
+
+pytestmark = pytest.mark.slow
+KEYS = (LearnerKey.LEARNERS, LearnerKey.MOMENTUM, LearnerKey.CORRECTION)
+LEARNERS = {"silo.learners": 2, "silo.sma_momentum": 0.5, "silo.sma_correction": 0.2}
+
+
+def silo_app(seen: list[dict]) -> Callable[[Message, Context], Message]:
+    """The silo app, noting the learner keys of every training message it gets."""
+    app = silo_client_app(ScenarioTask, spec_from_run_config)
+
+    def noting(msg: Message, context: Context) -> Message:
+        config = msg.content.get("config")
+        if config is not None and msg.metadata.message_type.startswith("train"):
+            seen.append({k: config.get(k) for k in KEYS})
+        return app(msg, context)
+
+    return noting
+
+
+def expected_model(config: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The initial model and the examples-weighted mean of the silos' SMA deltas."""
+    task = ScenarioTask.from_config(config)
+    initial, _ = task.initial_params()
+    deltas = [trained_silo(config, initial, pid, 1) - initial for pid in range(SILOS)]
+    weights = [len(task.partition(pid)[1]) for pid in range(SILOS)]
+    return initial, np.average(np.stack(deltas), axis=0, weights=weights)
+
+
+def test_a_cross_silo_round_applies_the_mean_of_the_average_models_deltas(run_inprocess
+                                                                          ) -> None:
+    config = scenario(rounds=1, **LEARNERS)
+    seen: list[dict] = []
+    models: list[np.ndarray] = []
+    summary = run_inprocess(config, grid=ConcurrentGrid(silo_app(seen), SILOS), models=models)
+    assert summary["status"] == "completed" and summary["versions"] == 1
+    initial, expected = expected_model(config)
+    ddp = scenario(rounds=1)
+    _, one_learner = expected_model(ddp)
+    assert np.abs(expected - one_learner).max() > 1e-3  # learners change the outcome
+    np.testing.assert_allclose(models[1] - initial, expected, atol=2e-6)
+    assert seen == [{LearnerKey.LEARNERS: 2, LearnerKey.MOMENTUM: 0.5,
+                     LearnerKey.CORRECTION: 0.2}] * SILOS
+
+
+def test_a_secure_cross_silo_round_unmasks_the_same_model(run_inprocess) -> None:
+    config = scenario(rounds=1, **LEARNERS, **{"secagg.enabled": True})
+    seen: list[dict] = []
+    models: list[np.ndarray] = []
+    summary = run_inprocess(config, grid=ConcurrentGrid(silo_app(seen), SILOS), models=models)
+    assert summary["status"] == "completed" and summary["versions"] == 1
+    initial, expected = expected_model(config)
+    weights = [len(ScenarioTask.from_config(config).partition(pid)[1]) for pid in range(SILOS)]
+    scale = SecAggScenarioConfig(**config["secagg"]).scale_for(SILOS, "examples")
+    bound = SILOS * 0.5 / scale / sum(weights)  # each silo rounds w_i * delta_i to 1/scale
+    np.testing.assert_allclose(models[1] - initial, expected, rtol=0, atol=bound + 2e-6)
+    trained = [s for s in seen if s[LearnerKey.LEARNERS] is not None]
+    assert len(trained) == SILOS and all(s[LearnerKey.LEARNERS] == 2 for s in trained)
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"silo.learners": 0}, "silo.learners"),
+    ({"silo.learners": 1.5}, "silo.learners"),
+    ({"silo.sma_momentum": 1.0}, "silo.sma_momentum"),
+    ({"silo.sma_momentum": -0.1}, "silo.sma_momentum"),
+    ({"silo.sma_correction": 0.0}, "silo.sma_correction"),
+    ({"silo.sma_correction": 0.6}, "silo.sma_correction"),
+])
+def test_bad_learner_settings_fail_at_start_naming_the_key(values: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        scenario(rounds=1, **values)

@@ -1,0 +1,130 @@
+"""Learners with synchronous model averaging inside a silo, against a loop written here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from silo_helpers import ROOT
+from sma_reference import reference_sma
+from torch.nn.utils import parameters_to_vector
+
+from client.protocol.learners import LearnerKey, LearnerSpec
+from client.silo.learners import check_learners, train_learners
+from client.training import TrainConfig
+
+WORKER = Path(__file__).parent / "sma_worker.py"
+# 101 examples in batches of 10: 11 batches, dealt 4 (or 2 x 2) a step, the last step short
+CASES = {
+    "plain": (TrainConfig(local_epochs=2, batch_size=10, lr=0.1, momentum=0.0), 0.2, 0.5),
+    "momentum_decay": (TrainConfig(local_epochs=2, batch_size=10, lr=0.1, momentum=0.9,
+                                   weight_decay=0.01), 0.1, 0.9),
+}
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(101, 8, generator=gen), torch.randint(0, 3, (101,), generator=gen)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_process_follows_the_plain_loop_step_by_step(case: str) -> None:
+    cfg, alpha, mu = CASES[case]
+    x, y = data()
+    model = build_model()
+    start = parameters_to_vector(model.parameters()).detach().clone()
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    train_learners(model, x, y, cfg, LearnerSpec(4, momentum=mu, correction=alpha), seed=5,
+                   on_step=lambda s, w, z: steps.append((w.clone(), z.clone())))
+    expected = reference_sma(build_model(), x, y, epochs=cfg.local_epochs,
+                             batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+                             weight_decay=cfg.weight_decay, alpha=alpha, mu=mu, seed=5, total=4)
+    assert len(steps) == len(expected) == 6  # 22 batches, 4 a step
+    for (w, z), (w_ref, z_ref) in zip(steps, expected, strict=True):
+        assert (w - w_ref).abs().max() < 1e-6
+        assert (z - z_ref).abs().max() < 1e-6
+    final = parameters_to_vector(model.parameters()).detach()
+    assert torch.equal(final, steps[-1][1])  # the module holds the average model
+    assert (final - start).abs().max() > 1e-2  # and training moved it
+    assert (steps[-1][0][0] - steps[-1][0][1]).abs().max() > 1e-4  # learners differ
+
+
+def test_two_processes_follow_the_plain_loop_with_the_learners_split(tmp_path: Path) -> None:
+    out = tmp_path / "sma.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(WORKER), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert set(results) == set(CASES)
+    for case, r in results.items():
+        assert r["steps"] == 6, case
+        assert r["learners_diff"] < 1e-6 and r["z_diff"] < 1e-6, (case, r)
+        assert r["ranks_equal"], f"{case}: the ranks' average models differ"
+        assert r["moved"] > 1e-2, case
+
+
+def test_the_learner_keys_ride_only_when_there_are_several_learners() -> None:
+    assert LearnerSpec(1).config() == {}
+    keys = LearnerSpec(3, momentum=0.5, correction=0.2).config()
+    assert keys == {LearnerKey.LEARNERS: 3, LearnerKey.MOMENTUM: 0.5, LearnerKey.CORRECTION: 0.2}
+
+
+@pytest.mark.parametrize("cfg, key", [
+    (TrainConfig(optimizer="adam"), "train.optimizer"),
+    (TrainConfig(proximal_mu=0.1), "train.proximal_mu"),
+    (TrainConfig(dp_sgd_noise_multiplier=1.0), "train.dp_sgd_noise_multiplier"),
+])
+def test_settings_learners_cannot_honour_are_refused_naming_the_key(cfg: TrainConfig,
+                                                                    key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        check_learners(build_model(), cfg)
+    with pytest.raises(ValueError, match="buffers"):
+        check_learners(torch.nn.BatchNorm1d(3), TrainConfig())
+
+
+def test_a_silo_job_of_two_processes_trains_its_learners_together(tmp_path: Path) -> None:
+    """The leader's command carries the learner spec; both ranks end with the average model
+    of 2 x 2 learners, which one process with 4 learners reaches too."""
+    import numpy as np
+    from silo_helpers import scenario
+
+    from client.app import training_seed
+    from client.flat_model import FlatModel
+    from simulations.task import ScenarioTask
+
+    config = scenario(rounds=1)
+    out = tmp_path / "job.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(Path(__file__).parent /
+                                                        "silo_job_worker.py"),
+                           str(out), json.dumps(config)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    leader, follower = (np.array(m, dtype=np.float32) for m in result["models"])
+    task = ScenarioTask.from_config(config)
+    model = FlatModel(task.build_model())
+    initial = model.flat_np.copy()
+    x, y = task.partition(0)
+    loss = train_learners(model.module, x, y, task.train_config,
+                          LearnerSpec(4, momentum=0.5, correction=0.2),
+                          seed=training_seed(task.seed, 1, 0))
+    np.testing.assert_array_equal(leader, follower)
+    assert np.abs(leader - initial).max() > 1e-2
+    np.testing.assert_allclose(leader, model.flat_np, atol=1e-5)
+    assert result["loss"] == pytest.approx(loss, rel=1e-5)
