@@ -220,3 +220,53 @@ def test_a_large_model_is_not_trained_back_to_back(monkeypatch: pytest.MonkeyPat
     assert hook.back_to_back == 0
     for a, b in zip(one_by_one, replies, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _auto_round(extra: list[str], clients: int) -> tuple[list[np.ndarray], Any]:
+    """One round of ``clients`` clients under ``engine.vectorize = "auto"``."""
+    config = load_scenario("default", [*SCENARIO, *extra])
+    task = ScenarioTask.from_config(config)
+    params, layout = task.initial_params()
+    hook = cohort_hook("auto")
+    grid = InProcessGrid(client_app, 4, cohort_hook=hook)
+    content = RecordDict({"arrays": model_record(layout, params),
+                          "config": train_config(1, 1, json.dumps(task.task_spec(),
+                                                                  sort_keys=True), 0)})
+    ids = grid.push_messages([Message(content, n, "train", group_id="1")
+                              for n in range(1, clients + 1)])
+    deltas = [decode_train_reply(r, client_id="c", layout=layout, base_params=params,
+                                 version=1).delta.copy() for r in grid.pull_messages(ids)]
+    return deltas, hook
+
+
+def test_auto_trains_a_1m_parameter_cohort_one_by_one_and_says_why(caplog) -> None:
+    from client.vectorized import AUTO_MAX_DIM, STACK_BUDGET
+
+    big = ["model.hidden=[960, 960]"]  # 994,570 parameters: two clients fit one batch
+    assert STACK_BUDGET // (4 * 994_570) >= 2 and AUTO_MAX_DIM < 994_570
+    with caplog.at_level(logging.INFO, logger="fedring"):
+        deltas, hook = _auto_round(big, 2)
+    assert hook.trained == 0 and hook.back_to_back == 0  # the ClientApp trained each
+    lines = [r.getMessage() for r in caplog.records if "not vectorized" in r.getMessage()]
+    assert len(lines) == 1 and "994,570 parameters per client" in lines[0]
+    config = load_scenario("default", [*SCENARIO, *big])
+    task = ScenarioTask.from_config(config)
+    params, layout = task.initial_params()
+    grid = InProcessGrid(client_app, 4)  # no hook: each client trained as its message comes
+    content = RecordDict({"arrays": model_record(layout, params),
+                          "config": train_config(1, 1, json.dumps(task.task_spec(),
+                                                                  sort_keys=True), 0)})
+    ids = grid.push_messages([Message(content, n, "train", group_id="1") for n in (1, 2)])
+    for reply, got in zip(grid.pull_messages(ids), deltas, strict=True):
+        np.testing.assert_array_equal(got, decode_train_reply(
+            reply, client_id="c", layout=layout, base_params=params, version=1).delta)
+
+
+def test_auto_still_vectorizes_a_small_model_cohort(caplog) -> None:
+    sequential, _ = _round([], None)
+    with caplog.at_level(logging.INFO, logger="fedring"):
+        vectorized, hook = _auto_round([], 4)
+    assert hook.trained == 4 and hook.back_to_back == 0
+    assert not any("not vectorized" in r.getMessage() for r in caplog.records)
+    for a, b in zip(sequential, vectorized, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
