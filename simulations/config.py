@@ -35,6 +35,7 @@ from simulations.engine_config import EngineConfig
 from simulations.models import model_names
 from simulations.module_task import resolve_module_ref
 from simulations.partitioners import partitioner_names
+from simulations.population import DEFAULT_CACHE_MB, POPULATIONS, resolve_population
 from simulations.tracking import TrackingConfig
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
@@ -54,6 +55,8 @@ class DataConfig:
     test_fraction: float = 0.2
     client_test_fraction: float = 0.2
     feature_shift: float = 0.0
+    population: str = "auto"
+    cache_mb: float = DEFAULT_CACHE_MB
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,6 +72,12 @@ class DataConfig:
             raise ValueError(f"data.feature_shift must be >= 0 (the strength of each "
                              f"client's own affine distortion of its inputs; 0: none), got "
                              f"{self.feature_shift}")
+        check_choice("data.population", self.population, POPULATIONS)
+        if not self.cache_mb > 0:
+            raise ValueError(f"data.cache_mb must be > 0 (MiB of clients made on demand kept "
+                             f"for reuse), got {self.cache_mb}")
+        if self.population == "on_demand":
+            resolve_population(dataclasses.asdict(self), 0)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ from simulations.datasets import Dataset, load_dataset
 from simulations.feature_shift import distort
 from simulations.models import build_model
 from simulations.partitioners import client_test_split, partition
+from simulations.population import (
+    DEFAULT_CACHE_MB,
+    OnDemandPopulation,
+    make_source,
+    resolve_population,
+)
 
 SPEC_KEYS = ("seed", "clients", "data", "model", "train")
 OPTIONAL_SPEC_KEYS = ("dp", "attack")
@@ -65,6 +71,15 @@ def _partitions(data_json: str, seed: int, clients: int) -> tuple[np.ndarray, ..
 
 
 @lru_cache(maxsize=4)
+def _population(data_json: str, seed: int) -> OnDemandPopulation:
+    data = json.loads(data_json)
+    source = make_source(data["dataset"], seed=seed, test_fraction=data["test_fraction"],
+                         options=data.get("options", {}))
+    cache_mb = float(data.get("cache_mb", DEFAULT_CACHE_MB))
+    return OnDemandPopulation(source, cache_bytes=int(cache_mb * 2**20))
+
+
+@lru_cache(maxsize=4)
 def _input_scale(data_json: str, seed: int) -> float:
     """The training inputs' standard deviation: the unit of a feature shift's brightness."""
     return float(np.std(_dataset(data_json, seed).x_train, dtype=np.float64))
@@ -79,6 +94,11 @@ class ScenarioTask:
     by the run seed and the partition id) is the client's held-out split, never trained
     on; ``[data] feature_shift`` > 0 shows each client its inputs, training and held-out
     alike, through its own affine distortion (``simulations.feature_shift``).
+
+    With ``[data] population = "on_demand"`` (``simulations.population``) a client's data is
+    made or read when it is asked for: no whole dataset, no list of partitions; index
+    arrays are then positions in the client's own records, and central evaluation uses
+    the population's bounded test sample.
     """
 
     trainer = None  # fedring's training loop on partition(); no task-specific one
@@ -93,6 +113,7 @@ class ScenarioTask:
         self.clients = int(spec["clients"])
         self.train_config = TrainConfig(**spec["train"])
         self._data_json = json.dumps(spec["data"], sort_keys=True)
+        self.on_demand = resolve_population(spec["data"], self.clients) == "on_demand"
         self.client_test_fraction = float(spec["data"].get("client_test_fraction",
                                                            CLIENT_TEST_FRACTION))
         self.feature_shift = float(spec["data"].get("feature_shift", 0.0))
@@ -110,45 +131,70 @@ class ScenarioTask:
 
     @property
     def dataset(self) -> Dataset:
+        if self.on_demand:
+            raise RuntimeError("data.population = 'on_demand' holds no whole dataset: use "
+                               "partition(), client_test() and load_test()")
         return _dataset(self._data_json, self.seed)
+
+    @property
+    def population(self) -> OnDemandPopulation:
+        """The clients made on demand (``data.population = "on_demand"`` only)."""
+        if not self.on_demand:
+            raise RuntimeError("the population is held in memory: use dataset and partitions()")
+        return _population(self._data_json, self.seed)
 
     def partitions(self) -> tuple[np.ndarray, ...]:
         """Index arrays of every client's partition (raises if the data cannot be split)."""
+        if self.on_demand:
+            raise RuntimeError("data.population = 'on_demand' keeps no list of partitions")
         return _partitions(self._data_json, self.seed, self.clients)
 
     def build_model(self) -> torch.nn.Module:
         torch.manual_seed(self.seed)
-        ds = self.dataset
+        ds = self.population if self.on_demand else self.dataset
         return build_model(self._model_kind, input_shape=ds.input_shape,
                            num_classes=ds.num_classes, **self._model_params)
 
     def split_indices(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """Client ``partition_id``'s (training, held-out) indices into the training set."""
+        """Client ``partition_id``'s (training, held-out) indices into the training set (on
+        demand: into the client's own records)."""
         if not 0 <= partition_id < self.clients:
             raise ValueError(f"partition-id {partition_id} is out of range: the scenario has "
                              f"{self.clients} clients (0..{self.clients - 1})")
+        if self.on_demand:
+            n = len(self.population.client(partition_id)[1])
+            return client_test_split(n, self.client_test_fraction, self.seed, partition_id)
         idx = self.partitions()[partition_id]
         train, held = client_test_split(len(idx), self.client_test_fraction, self.seed,
                                         partition_id)
         return idx[train], idx[held]
 
+    def _records(self, partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (inputs, labels) that :meth:`split_indices` indexes."""
+        if self.on_demand:
+            return self.population.client(partition_id)
+        ds = self.dataset
+        return ds.x_train, ds.y_train
+
     def _inputs(self, partition_id: int, idx: np.ndarray) -> torch.Tensor:
         """The inputs at ``idx`` as client ``partition_id`` sees them (its feature shift)."""
-        x = self.dataset.x_train[idx]
+        x = self._records(partition_id)[0][idx]
         if self.feature_shift > 0:
+            scale = (self.population.input_scale() if self.on_demand
+                     else _input_scale(self._data_json, self.seed))
             x = distort(x, strength=self.feature_shift, seed=self.seed,
-                        partition_id=partition_id,
-                        scale=_input_scale(self._data_json, self.seed))
+                        partition_id=partition_id, scale=scale)
         return torch.from_numpy(x)
 
     def partition(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (inputs, labels) client ``partition_id`` trains on: its partition less its
         held-out split."""
         idx, _ = self.split_indices(partition_id)
-        ds = self.dataset
-        x, y = self._inputs(partition_id, idx), torch.from_numpy(ds.y_train[idx])
+        x, y = self._inputs(partition_id, idx), torch.from_numpy(
+            self._records(partition_id)[1][idx])
         if self.attack is not None:
-            y = self.attack.labels(partition_id, y, ds.num_classes)
+            num_classes = (self.population if self.on_demand else self.dataset).num_classes
+            y = self.attack.labels(partition_id, y, num_classes)
         return x, y
 
     def client_test(self, partition_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -156,7 +202,8 @@ class ScenarioTask:
         _, held = self.split_indices(partition_id)
         if not len(held):
             return None
-        return self._inputs(partition_id, held), torch.from_numpy(self.dataset.y_train[held])
+        return (self._inputs(partition_id, held),
+                torch.from_numpy(self._records(partition_id)[1][held]))
 
     def load_partition(self, partition_id: int, num_partitions: int) -> TensorDataset:
         """Client ``partition_id``'s training data, as a task module gives it."""
@@ -173,10 +220,17 @@ class ScenarioTask:
         if num_partitions != self.clients:
             raise ValueError(f"the scenario has {self.clients} partitions, not {num_partitions}")
 
+    def _test(self) -> tuple[np.ndarray, np.ndarray]:
+        """The central test set (on demand: the population's bounded test sample)."""
+        if self.on_demand:
+            return self.population.test_sample()
+        ds = self.dataset
+        return ds.x_test, ds.y_test
+
     def load_test(self) -> TensorDataset:
         """The held-out data central evaluation uses."""
-        ds = self.dataset
-        return TensorDataset(torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
+        x, y = self._test()
+        return TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
 
     def tamper(self, partition_id: int, delta: np.ndarray, seed: int) -> bool:
         """Poison a simulated attacker's delta in place (``[attack]``); True for attackers."""
@@ -190,9 +244,8 @@ class ScenarioTask:
         if self._eval_model is None:
             self._eval_model = FlatModel(self.build_model())
         self._eval_model.load(params)
-        ds = self.dataset
-        loss, acc = evaluate(self._eval_model.module, torch.from_numpy(ds.x_test),
-                             torch.from_numpy(ds.y_test))
+        x, y = self._test()
+        loss, acc = evaluate(self._eval_model.module, torch.from_numpy(x), torch.from_numpy(y))
         return {"loss": loss, "accuracy": acc}
 
     def task_spec(self) -> dict[str, Any]:
@@ -200,11 +253,21 @@ class ScenarioTask:
 
     def check(self, config: Mapping[str, Any] | None = None) -> None:
         """Fail at start if the data cannot be loaded or split, the model not built, or
-        local training cannot train it (DP-SGD with batch norm)."""
-        self.partitions()
-        if self.feature_shift > 0 and not np.issubdtype(self.dataset.x_train.dtype,
-                                                        np.floating):
+        local training cannot train it (DP-SGD with batch norm). On demand it indexes the
+        data and checks the client count, but makes no client."""
+        if self.on_demand:
+            name, dtype = self.spec["data"]["dataset"], self.population.x_dtype
+            if self.population.num_clients != self.clients:
+                n = self.population.num_clients
+                raise ValueError(
+                    f"natural partition makes one client per group: the data has {n} "
+                    f"groups but {self.clients} clients were asked for; set "
+                    f"federation.clients = {n} (for the synthetic dataset, "
+                    "data.options.num_users sets the groups)")
+        else:
+            self.partitions()
+            name, dtype = self.dataset.name, self.dataset.x_train.dtype
+        if self.feature_shift > 0 and not np.issubdtype(dtype, np.floating):
             raise ValueError(f"data.feature_shift distorts real-valued inputs, but dataset "
-                             f"'{self.dataset.name}' has {self.dataset.x_train.dtype} inputs: "
-                             "set data.feature_shift = 0")
+                             f"'{name}' has {dtype} inputs: set data.feature_shift = 0")
         check_model(self.build_model(), self.train_config)
