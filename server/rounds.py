@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -94,17 +94,19 @@ class RunContext:
         if self.clock.simulated and self.state.history:
             self.clock.advance_to(self.state.history[-1].get("sim_time_s", 0.0))
 
-    def wait_for_nodes(self) -> list[int]:
+    def wait_for_nodes(self) -> Sequence[int]:
         """Connected node ids once at least ``min_clients`` are there (else a clear error)."""
         return wait_for_nodes(self.grid, self.fed)
 
 
-def wait_for_nodes(grid: Grid, fed: FederationConfig) -> list[int]:
+def wait_for_nodes(grid: Grid, fed: FederationConfig) -> Sequence[int]:
     """``grid``'s connected node ids once at least ``fed.min_clients`` are there, waiting up
-    to ``fed.wait_for_nodes_s`` (else a clear error)."""
+    to ``fed.wait_for_nodes_s`` (else a clear error). A ``range`` (the in-process engine's
+    nodes) is returned as it is, never listed."""
     deadline = time.monotonic() + fed.wait_for_nodes_s
     while True:
-        nodes = list(grid.get_node_ids())
+        ids = grid.get_node_ids()
+        nodes = ids if isinstance(ids, range) else list(ids)
         if len(nodes) >= fed.min_clients:
             return nodes
         if time.monotonic() >= deadline:

@@ -45,6 +45,10 @@ class Collector:
         """When ``node``'s late task from an earlier round ends (simulated clock)."""
         return now
 
+    def busy(self) -> bool:
+        """Whether any node may still be busy with a late task (see :meth:`busy_until`)."""
+        return False
+
     def collect(self, run_id: str, rnd: int, cohort: list[int]) -> RoundResult:
         raise NotImplementedError
 
@@ -74,6 +78,10 @@ class SyncRounds(RoundSource):
         clock.bind(nodes)
         ctx.resume_clock()
         carried, busy_until = self.collector.carried(), self.collector.busy_until
+        if not clock.simulated and not carried and not self.collector.busy():
+            # every node is online and idle: draw among all, never listing them
+            return draw_cohort(nodes, fed=ctx.fed, concurrency=ctx.driver_config.concurrency,
+                               seed=ctx.seed, rnd=rnd, dp=ctx.dp)
         while True:
             now = clock.now()
             eligible = [n for n in nodes if n not in carried and busy_until(n, now) <= now
@@ -121,6 +129,9 @@ class PlainReplies(Collector):
 
     def busy_until(self, node: int, now: float) -> float:
         return self._busy.get(node, now)
+
+    def busy(self) -> bool:
+        return bool(self._busy)
 
     def collect(self, run_id: str, rnd: int, cohort: list[int]) -> RoundResult:
         ctx = self.ctx

@@ -100,11 +100,18 @@ def run_simulation(config: dict[str, Any], *, engine: str, db: str,
             grid = ConcurrentGrid(silo_client_app(make_task, spec_from_run_config), clients,
                                   pki=pki)
         else:
+            from simulations.engine_config import EngineConfig
+
+            settings = EngineConfig(**config.get("engine", {}))
             grid = InProcessGrid(client_app, clients, pki=pki,
-                                 cohort_hook=cohort_hook(
-                                     config.get("engine", {}).get("vectorize", False)))
-        server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
-                                 state=RecordDict(), run_config={"db": db}))
+                                 cohort_hook=cohort_hook(settings.vectorize),
+                                 node_cache=settings.node_cache_bound,
+                                 threads=settings.threads)
+        try:
+            server_app(grid, Context(run_id=grid.run.run_id, node_id=0, node_config={},
+                                     state=RecordDict(), run_config={"db": db}))
+        finally:
+            grid.close()  # the node states spilled to disk
     elif engine == "flower":
         from simulations.engine_config import EngineConfig
         from simulations.flower_engine import run_on_ray

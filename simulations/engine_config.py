@@ -13,7 +13,13 @@ client after the other, small models back to back, ``client.vectorized``), ``"au
 (cohorts of two or more clients that can be vectorized and whose stacked parameters fit
 one batch, ``client.vectorized.STACK_BUDGET``; the others as with ``false``, with one log
 line per reason) or ``true`` (every cohort that can be, in batches that fit, with a
-warning per reason when one cannot).
+warning per reason when one cannot). ``node_cache``: how many nodes' contexts stay in
+memory (default 10,000; 0: no bound); the least recently sampled others' node state goes
+to a SQLite file in a temporary folder and comes back exactly when the node is sampled
+again (``simulations.node_states``). ``threads``: the intra-op threads each client trains
+on: 0 (the default) the process's setting, a number that many, ``"auto"`` by the model's
+size: one below 100,000 parameters, else the process's setting
+(``simulations.client_threads``; for populations of small-model clients on a busy machine).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class EngineConfig:
     ray_address: str = ""
     # A factory, not a plain default, so that the section accepts a string or a bool.
     vectorize: Any = field(default_factory=lambda: False)
+    node_cache: int = 10_000
+    threads: Any = 0
 
     def __post_init__(self) -> None:
         if self.client_cpus <= 0:
@@ -53,6 +61,20 @@ class EngineConfig:
                    if type(c) is type(self.vectorize)):
             raise ValueError(f"engine.vectorize must be \"auto\", true or false, got "
                              f"{self.vectorize!r}")
+        if isinstance(self.node_cache, bool) or not isinstance(self.node_cache, int) \
+                or self.node_cache < 0:
+            raise ValueError(f"engine.node_cache must be a whole number >= 0 (node contexts "
+                             f"kept in memory; 0: no bound), got {self.node_cache!r}")
+        if self.threads != "auto" and (isinstance(self.threads, bool)
+                                       or not isinstance(self.threads, int) or self.threads < 0):
+            raise ValueError(f"engine.threads must be \"auto\" (one for models under 100,000 "
+                             f"parameters) or a whole number >= 0 (intra-op threads per "
+                             f"client; 0: the process's setting), got {self.threads!r}")
+
+    @property
+    def node_cache_bound(self) -> int | None:
+        """``node_cache`` for the in-process engine: None for no bound."""
+        return self.node_cache or None
 
     def backend_config(self) -> dict[str, Any]:
         """Flower's Ray backend config: ``client_resources`` per ClientApp and the

@@ -8,6 +8,13 @@ config also says "fedring.in-process", so fedring's ClientApp hands its delta ov
 reused buffer instead of fresh bytes, and gives ``mask-threads``: the cores this process
 may use, which a secure client masks with since it runs alone (one thread each where
 nodes run at once).
+
+Nodes and their contexts are made when a node is first sent a message
+(``simulations.node_states``): a population of millions costs memory only for the nodes
+sampled, and at most ``node_cache`` contexts stay in memory, the others' node state
+spilled to disk and restored exactly when the node is sampled again. With ``threads = "auto"``
+each client trains on the intra-op threads ``simulations.client_threads`` picks for its
+model's size.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from client.protocol.flower_compat import (
 )
 from client.protocol.keys import NodeConfigKey
 from privacy.secagg.workers import default_threads
+from simulations.client_threads import client_threads, intra_op_threads
 from simulations.module_task import TaskCodeError
+from simulations.node_states import NodeContexts
 from simulations.secagg_pki import SimulatedPKI
 
 CLIENT_ERROR = 1  # Error code carried by replies of a ClientApp that raised
@@ -70,13 +79,16 @@ class InProcessGrid(Grid):
                  run_config: dict[str, Any] | None = None,
                  mask_threads: int | None = None,
                  cohort_hook: CohortHook | None = None,
-                 pki: SimulatedPKI | None = None) -> None:
+                 pki: SimulatedPKI | None = None,
+                 node_cache: int | None = None, threads: int | str = 0) -> None:
         """``mask_threads``: the nodes' ``mask-threads`` (default: 1 if nodes run at once,
         else the cores this process may use). ``cohort_hook``: called with every
         (message, context) a pull is about to deliver, before the first is delivered, so
         that it can train them together (``client.vectorized``); it must not fail.
         ``pki``: a SecAgg+ identity per node in its node config (``simulations.secagg_pki``;
-        default none)."""
+        default none). ``node_cache``: how many node contexts stay in memory, the others'
+        state spilled to disk (None: all). ``threads``: ``engine.threads``, the intra-op
+        threads each client trains on (``simulations.client_threads``; 0: as they are)."""
         if num_nodes < 1:
             raise ValueError(f"the in-process engine needs at least one node, got {num_nodes}")
         self._client_app = client_app
@@ -84,16 +96,18 @@ class InProcessGrid(Grid):
         self._run = empty_run(run_id)
         if mask_threads is None:
             mask_threads = 1 if self.concurrent else default_threads()
-        self._contexts = {
-            node_id: Context(run_id=run_id, node_id=node_id,
-                             node_config={NodeConfigKey.PARTITION_ID: node_id - 1,
-                                          "num-partitions": num_nodes,
-                                          NodeConfigKey.IN_PROCESS: True,
-                                          NodeConfigKey.MASK_THREADS: mask_threads,
-                                          **(pki.node_config(node_id - 1) if pki else {})},
-                             state=RecordDict(), run_config=dict(run_config or {}))
-            for node_id in range(1, num_nodes + 1)
-        }
+        self._threads = threads
+        node_config = {"num-partitions": num_nodes, NodeConfigKey.IN_PROCESS: True,
+                       NodeConfigKey.MASK_THREADS: mask_threads}
+        run_config = dict(run_config or {})
+
+        def make_context(node_id: int) -> Context:
+            return Context(run_id=run_id, node_id=node_id,
+                           node_config={NodeConfigKey.PARTITION_ID: node_id - 1, **node_config,
+                                        **(pki.node_config(node_id - 1) if pki else {})},
+                           state=RecordDict(), run_config=dict(run_config))
+
+        self._contexts = NodeContexts(num_nodes, make_context, node_cache)
         self._queue: dict[str, Message] = {}
         self._ids = itertools.count(1)
         # As Flower's runtimes do before running a ServerApp: messages read this identity.
@@ -111,7 +125,12 @@ class InProcessGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self._contexts)
+        """The node ids ``1..N``: a ``range``, whatever N."""
+        return self._contexts.nodes
+
+    def close(self) -> None:
+        """Drop the node states spilled to disk."""
+        self._contexts.close()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
@@ -129,13 +148,18 @@ class InProcessGrid(Grid):
     def pull_messages(self, message_ids: Iterable[str]) -> Iterator[Message]:
         """Run the ClientApp for each requested queued message, yielding its reply."""
         ids = [msg_id for msg_id in message_ids if msg_id in self._queue]
-        if self._cohort_hook is not None and ids:
-            self._cohort_hook([(self._queue[i], self._contexts[self._queue[i].metadata.dst_node_id])
-                               for i in ids])
-        for msg_id in ids:
-            msg = self._queue.pop(msg_id, None)
-            if msg is not None:
-                yield self._deliver(msg_id, msg)
+        # the nodes' contexts stay in memory while this pull delivers to them
+        with self._contexts.pinned({self._queue[i].metadata.dst_node_id for i in ids}):
+            if self._cohort_hook is not None and ids:
+                self._cohort_hook([(self._queue[i],
+                                    self._contexts[self._queue[i].metadata.dst_node_id])
+                                   for i in ids])
+            for msg_id in ids:
+                msg = self._queue.pop(msg_id, None)
+                if msg is not None:
+                    with intra_op_threads(client_threads(msg.content, self._threads)):
+                        reply = self._deliver(msg_id, msg)
+                    yield reply
 
     def _deliver(self, msg_id: str, msg: Message) -> Message:
         context = self._contexts[msg.metadata.dst_node_id]
