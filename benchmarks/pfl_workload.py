@@ -18,7 +18,8 @@ rounds (the first round of a run is dropped), evaluation included:
   fedring's ratio to it.
 - fedring: ``run_simulation`` on the in-process engine with the scenario's defaults
   (SQLite store, a checkpoint every round), timed from one ``round_finished`` to the next;
-  ``fedring_vectorized`` is the same with ``[engine] vectorize = true``.
+  ``fedring_vectorized`` is the same with ``[engine] vectorize = true``, and
+  ``fedring_auto`` with ``vectorize = "auto"`` (at 1M parameters: one client at a time).
 - fedring_baseline (given ``--fedring-baseline PATH``, a checkout of an earlier fedring,
   e.g. ``git worktree add /tmp/before <commit>``): the same fedring run, in a child
   process importing that checkout: the before/after of a change in one run.
@@ -54,6 +55,7 @@ WORKLOAD = {**WHOLE_PARTITIONS,
             "train.lr": 0.05, "train.optimizer": "sgd", "train.momentum": 0.0}
 TARGET_RATIO = {"10k": 1.5, "1m": 1.15}  # fedring / bare, at most
 TARGET_VECTORIZED_10K = 1.0  # fedring vectorized / bare at 10k parameters, below
+AUTO_TOLERANCE = 1.05  # "auto" against the faster of sequential and vectorized, at most
 
 
 def scenario(clients: int, hidden: list[int], rounds: int,
@@ -244,6 +246,8 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
     config = scenario(clients, hidden, rounds)
     vec_config = scenario(clients, hidden, rounds, {"engine.vectorize": True}) if vectorized \
         else None
+    auto_config = scenario(clients, hidden, rounds, {"engine.vectorize": "auto"}) \
+        if vectorized else None
     per_rep: list[dict[str, float]] = []
     diffs: list[float] = []
     step_diffs: list[float] = []  # the unwrapped step's model against the bare loop's: 0
@@ -272,6 +276,10 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
             if vec_config is not None:
                 times, final = run_fedring(vec_config, folder)
                 put("fedring_vectorized", times)
+                diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
+            if auto_config is not None:
+                times, final = run_fedring(auto_config, folder)
+                put("fedring_auto", times)
                 diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
             if pfl_python:
                 put("pfl", run_pfl(pfl_python, workload, hidden, rounds, threads))
@@ -326,6 +334,16 @@ def pfl_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
                lambda r, b=bound: r <= b)
     target("fedring_vectorized_below_bare_at_10k", "10k", "fedring_vectorized",
            lambda r: r < TARGET_VECTORIZED_10K)
+    for size in TARGET_RATIO:  # "auto" never slower than sequential (5% for noise)
+        w = wall.get(size, {})
+        c = cpu.get(size, {})
+        if "fedring_auto" in w:
+            out[f"fedring_auto_not_slower_than_sequential_at_{size}"] = {
+                "met": w["fedring_auto"] <= AUTO_TOLERANCE * min(w["fedring"], w.get(
+                    "fedring_vectorized", math.inf)),
+                "met_in_cpu_time": c["fedring_auto"] <= AUTO_TOLERANCE * min(
+                    c["fedring"], c.get("fedring_vectorized", math.inf)),
+                "wall_ratio": w["fedring_auto"], "cpu_ratio": c["fedring_auto"]}
     return out
 
 

@@ -54,6 +54,11 @@ same repetition; without ``--pfl-python`` pfl is skipped with a note.
                                              [--fedring-baseline TREE]
                                              [--memory-users 1000,3000,10000]
                                              [--pfl-workload-only | --no-pfl-workload]
+    python benchmarks/simulation_overhead.py --cohort-sizes 100,10000 [--cohort-rounds 3]
+
+Cohort sizes (``--cohort-sizes``): every client of a population of N every round, the
+10k-parameter MLP on generated data of 18 examples a client (an npz data set, one user a
+client), fedring beside the lockstep bare loop; the per-client overhead at each N.
 
 Large populations (``population_memory.py``): the peak memory of loading FedProx
 Synthetic with one user per client, per client count.
@@ -240,6 +245,63 @@ def run_fedring(config: dict[str, Any], folder: str) -> dict[str, Any]:
         raise RuntimeError(f"fedring ran {len(rep.period)} of {rounds} rounds")
     return {"period": rep.period, "bare": rep.bare, "store_wall": wall, "eval": eval_s[1:],
             "write": rep.write, "diff": float(np.abs(last[0] - bare.final()).max())}
+
+
+# ------------------------------------------------------------- cohorts of 100 to 10,000
+
+
+COHORT_PER_CLIENT = 18  # examples a client, as digits over 100 clients
+COHORT_FEATURES = 64
+
+
+def cohort_data(clients: int, folder: str) -> str:
+    """An npz data set of ``clients`` users of ``COHORT_PER_CLIENT`` examples each (user i's
+    rows grouped as i): the same per-client work at every cohort size."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = clients * COHORT_PER_CLIENT
+    w = rng.standard_normal((COHORT_FEATURES, 10)).astype(np.float32)
+    x = rng.standard_normal((n, COHORT_FEATURES)).astype(np.float32)
+    x_test = rng.standard_normal((360, COHORT_FEATURES)).astype(np.float32)
+    path = os.path.join(folder, f"cohort-{clients}.npz")
+    np.savez(path, x_train=x, y_train=(x @ w).argmax(1), x_test=x_test,
+             y_test=(x_test @ w).argmax(1), groups=np.repeat(np.arange(clients),
+                                                              COHORT_PER_CLIENT))
+    return path
+
+
+def cohort_overhead(sizes: list[int], rounds: int, folder: str) -> dict[str, Any]:
+    """fedring's per-client overhead over the lockstep bare loop, every client of a
+    population of N every round, 10k parameters (64-128-10), at each N of ``sizes``."""
+    from simulations.config import load_scenario
+
+    rows = []
+    for clients in sizes:
+        config = load_scenario("default", values={
+            **WORKLOAD, "data.dataset": "npz", "data.partitioner": "natural",
+            "data.options": {"path": cohort_data(clients, folder)}, "model.hidden": SMALL,
+            "federation.clients": clients, "federation.rounds": rounds})
+        run = run_fedring(config, folder)
+        net = [p - e for p, e in zip(run["period"][1:], run["eval"][1:], strict=True)]
+        over = [(x - y) / clients * 1e3 for x, y in zip(net, run["bare"][1:], strict=True)]
+        bare = median(run["bare"][1:])
+        rows.append({"clients": clients, "rounds": rounds, "bare_s": r4(bare),
+                     "fedring_s": r4(median(net)), "ratio": r4(median(net) / bare),
+                     "fedring_over_bare_ms_per_client": r4(median(over)),
+                     "fedring_over_bare_ms_per_client_each": [r4(x) for x in over],
+                     "bare_ms_per_client": r4(bare / clients * 1e3),
+                     "fedring_vs_bare_max_abs_diff": float(f"{run['diff']:.3g}")})
+        log(f"cohort N={clients:,}: bare {rows[-1]['bare_s']} s/round, fedring "
+            f"{rows[-1]['fedring_s']} s (net of evaluation): +"
+            f"{rows[-1]['fedring_over_bare_ms_per_client']} ms/client; model max |diff| "
+            f"{rows[-1]['fedring_vs_bare_max_abs_diff']}")
+    small, large = rows[0], rows[-1]
+    return {"rows": rows, "target_overhead_at_largest_not_above_smallest": {
+        "met": large["fedring_over_bare_ms_per_client"]
+        <= small["fedring_over_bare_ms_per_client"],
+        "smallest": small["fedring_over_bare_ms_per_client"],
+        "largest": large["fedring_over_bare_ms_per_client"]}}
 
 
 # --------------------------------------------------------------------------- (c) Flower
@@ -590,6 +652,11 @@ def main() -> None:
                              "recorded, e.g. 1000,3000,10000 (the default; quick: 300; 0: skip)")
     parser.add_argument("--no-pfl-workload", action="store_true",
                         help="skip the pfl workload")
+    parser.add_argument("--cohort-sizes", default=None,
+                        help="only the cohort-size mode: every client of N every round at "
+                             "10k parameters, e.g. 100,10000 (quick: 20,200)")
+    parser.add_argument("--cohort-rounds", type=int, default=3,
+                        help="rounds of the cohort-size mode (the first is a warm-up)")
     parser.add_argument("--cold-child", choices=("bare", "fedring"), help=argparse.SUPPRESS)
     parser.add_argument("--cold-clients", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--cold-hidden", default="[128]", help=argparse.SUPPRESS)
@@ -604,6 +671,15 @@ def main() -> None:
     started = time.perf_counter()
     load_before = load_average()
     quick = args.quick
+    if args.cohort_sizes is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            cohorts = cohort_overhead([int(n) for n in args.cohort_sizes.split(",")],
+                                      2 if quick else args.cohort_rounds, folder)
+        print(json.dumps({"benchmark": "simulation_overhead", "mode": "cohort_sizes",
+                          "quick": quick, "machine": machine(), "loadavg_before": load_before,
+                          "loadavg_after": load_average(), "cohorts": cohorts,
+                          "wall_s": round(time.perf_counter() - started, 1)}), flush=True)
+        return
     sizes = args.sizes or (QUICK_SIZES if quick else FULL_SIZES)
     rounds = 2 if quick else 5
     reps = args.reps or (1 if quick else 2)

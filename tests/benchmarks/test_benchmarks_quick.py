@@ -57,7 +57,7 @@ def test_simulation_overhead_quick() -> None:
     pfl_part = result["pfl_workload"]
     [row] = pfl_part["rows"]
     assert pfl_part["pfl"] is pfl and row["clients"] == 10 and row["params"] == 9610
-    systems = {"fedring", "fedring_vectorized", "bare_unwrapped_step"} | (
+    systems = {"fedring", "fedring_vectorized", "fedring_auto", "bare_unwrapped_step"} | (
         {"pfl"} if pfl else set())
     assert set(row["wall_ratio_to_bare"]["median"]) == systems
     for ratios in (row["wall_ratio_to_bare"]["median"], row["cpu_ratio_to_bare"]["median"]):
@@ -70,6 +70,21 @@ def test_simulation_overhead_quick() -> None:
     [memory] = result["population_memory"]
     assert memory["users"] == 300 and memory["partitions"] == 300
     assert memory["peak_rss"] > memory["rss_before"] > 0 and memory["data_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_simulation_overhead_cohort_sizes_quick() -> None:
+    """The cohort-size mode: fedring beside the bare loop at each N, the same model."""
+    result = run_quick("simulation_overhead.py", extra=("--cohort-sizes", "8,40"))
+    assert result["mode"] == "cohort_sizes" and result["quick"] is True
+    rows = result["cohorts"]["rows"]
+    assert [r["clients"] for r in rows] == [8, 40]
+    for row in rows:
+        assert positive(row["bare_s"]) and positive(row["fedring_s"]), row
+        assert math.isfinite(row["fedring_over_bare_ms_per_client"])
+        assert row["fedring_vs_bare_max_abs_diff"] < 1e-4  # both trained the same model
+    assert result["cohorts"]["target_overhead_at_largest_not_above_smallest"]["met"] in (
+        True, False)
 
 
 @pytest.mark.slow
