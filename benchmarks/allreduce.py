@@ -1,7 +1,8 @@
 """Allreduce bandwidth on gloo/CPU: pipelined ring vs native gloo and the other algorithms.
 
 Measured: ring (pipelined, out of place and in place, and unpipelined), native gloo,
-tree (recursive doubling), halving_doubling (Rabenseifner), all_to_all and master-worker.
+tree (recursive doubling), halving_doubling (Rabenseifner), all_to_all, round_robin and
+master-worker; round_robin is also compared with the ring iteration by iteration.
 
 For each world size n (one process per rank, loopback TCP) and message size S
 (float32) it times every algorithm, barrier-separated, after a warm-up; each
@@ -53,9 +54,11 @@ from aggregation.ring import DEFAULT_SEGMENT_BYTES, DEFAULT_WINDOW, allreduce
 
 MIB = 1 << 20
 ALGORITHMS = ("ring", "ring_inplace", "native", "tree", "halving_doubling",
-              "halving_doubling_inplace", "all_to_all", "master", "ring_unpipelined")
+              "halving_doubling_inplace", "all_to_all", "round_robin", "master",
+              "ring_unpipelined")
 # The algorithms compared in the predictions (the ring variants share the ring's terms).
-CONTENDERS = ("ring", "native", "tree", "halving_doubling", "all_to_all", "master")
+CONTENDERS = ("ring", "native", "tree", "halving_doubling", "all_to_all", "round_robin",
+              "master")
 PREDICT_N = (64, 128, 256, 512, 1024)
 PREDICT_BYTES = 64 * MIB
 PREDICT_SIZES = (64 << 10, MIB, 16 * MIB, 64 * MIB)
@@ -83,6 +86,8 @@ def _callables(x: torch.Tensor, y: torch.Tensor, segment_bytes: int,
                                             segment_bytes=segment_bytes, window=window),
         "all_to_all": partial(allreduce, x, out=y, algorithm="all_to_all",
                               segment_bytes=segment_bytes, window=window),
+        "round_robin": partial(allreduce, x, out=y, algorithm="round_robin",
+                               segment_bytes=segment_bytes, window=window),
         "master": partial(allreduce, x, out=y, algorithm="master",
                           segment_bytes=segment_bytes, window=window),
         "ring_unpipelined": partial(allreduce, x, out=y, segment_bytes=None),
@@ -147,6 +152,8 @@ def cost_terms(algorithm: str, n: int) -> tuple[float, float]:
         return 2 * int(math.log2(p)) + fold, 2 * (p - 1) / p + fold
     if algorithm == "all_to_all":
         return 2 * (n - 1), 2 * (n - 1) / n
+    if algorithm == "round_robin":  # a round-robin tournament: a rank rests once if n is odd
+        return 2 * (n - 1 + n % 2), 2 * (n - 1) / n
     if algorithm == "master":
         return 2 * (n - 1), 2 * (n - 1)
     raise ValueError(algorithm)
@@ -442,6 +449,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                                   "ring_inplace")}}
           for n in worlds for size in sizes]
     hd_targeted = [r for r in hd if r["n"] in HD_TARGET_N and r["size_bytes"] in HD_TARGET_BYTES]
+    round_robin = [{"n": n, "size_bytes": size, "round_robin_over_ring_busbw": round(
+                        by_key[(n, size, "round_robin")]["busbw_GBps"]
+                        / by_key[(n, size, "ring")]["busbw_GBps"], 3),
+                    "paired": paired_ratios(by_key[(n, size, "ring")],
+                                            by_key[(n, size, "round_robin")])}
+                   for n in worlds for size in sizes]
     gammas = fit_sharing(rows, cores)
     models = {alg: fit_alpha_beta(rows, alg, cores, gammas) for alg in ALGORITHMS}
     plain = {alg: fit_alpha_beta(rows, alg) for alg in ALGORITHMS}
@@ -478,6 +491,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                                  for r in hd_targeted]),
             "met_in_place": _all_or_none([r["halving_doubling_inplace_over_native_busbw"]
                                           >= TARGET_RATIO for r in hd_targeted])},
+        "round_robin_vs_ring": round_robin,
         "alpha_beta": models,
         "alpha_beta_without_sharing": plain,
         "model_errors": errors,

@@ -1,5 +1,5 @@
 """Allreduce across silos over torch.distributed: ring, tree, halving-doubling, all-to-all,
-master-worker and native.
+round-robin, master-worker and native.
 
 ``allreduce(x, algorithm="ring")`` sums a tensor over a process group by
 reduce-scatter then all-gather on point-to-point transfers, segmented and

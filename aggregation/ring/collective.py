@@ -13,6 +13,7 @@ from aggregation.ring.halving import halving_doubling
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.names import ALGORITHMS, Algorithm
 from aggregation.ring.ring import ring_pipelined, ring_stepwise
+from aggregation.ring.round_robin import round_robin
 from aggregation.ring.tree import recursive_doubling
 
 Op = Literal["sum", "mean"]
@@ -66,6 +67,8 @@ def allreduce(
       ``"tree"`` (recursive doubling), ``"halving_doubling"`` (Rabenseifner:
       recursive-halving reduce-scatter + recursive-doubling all-gather),
       ``"all_to_all"`` (each chunk summed by its owner rank, then sent to all),
+      ``"round_robin"`` (the same, pairs of ranks swapping chunks in the rounds of a
+      round-robin tournament),
       ``"master"`` (reduce to rank 0, then broadcast), ``"native"``
       (``dist.all_reduce``).
     op: ``"sum"`` or ``"mean"`` (floating tensors only).
@@ -143,7 +146,8 @@ def allreduce(
             ring_stepwise(ch, src, dst, **opts)
         else:
             schedules = {"tree": recursive_doubling, "master": reduce_broadcast,
-                         "halving_doubling": halving_doubling, "all_to_all": all_to_all}
+                         "halving_doubling": halving_doubling, "all_to_all": all_to_all,
+                         "round_robin": round_robin}
             schedules[algorithm](ch, src, dst, **opts)
     return out
 

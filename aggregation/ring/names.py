@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-Algorithm = Literal["ring", "master", "tree", "halving_doubling", "all_to_all", "native"]
+Algorithm = Literal["ring", "master", "tree", "halving_doubling", "all_to_all", "round_robin",
+                    "native"]
 
 ALGORITHMS: tuple[str, ...] = (
-    "ring", "master", "tree", "halving_doubling", "all_to_all", "native")
+    "ring", "master", "tree", "halving_doubling", "all_to_all", "round_robin", "native")

@@ -344,7 +344,8 @@ def test_allreduce_quick() -> None:
     result = run_quick("allreduce.py")
     assert result["benchmark"] == "allreduce" and result["quick"] is True
     algorithms = {row["algorithm"] for row in result["results"]}
-    assert {"ring", "native", "master", "tree", "halving_doubling", "all_to_all"} <= algorithms
+    assert {"ring", "native", "master", "tree", "halving_doubling", "all_to_all",
+            "round_robin"} <= algorithms
     for row in result["results"]:
         assert positive(row["algbw_GBps"])
         n = row["n"]
@@ -359,6 +360,12 @@ def test_allreduce_quick() -> None:
             assert got["min"] == pytest.approx(ratios[0], abs=1e-3)
             assert got["max"] == pytest.approx(ratios[-1], abs=1e-3)
             assert got["min"] <= got["q1"] <= got["median"] <= got["q3"] <= got["max"]
+    for row in result["round_robin_vs_ring"]:  # ring time / round_robin time, per iteration
+        ring, rr = (samples[(row["n"], row["size_bytes"], a)] for a in ("ring", "round_robin"))
+        ratios = sorted(a / b for a, b in zip(ring, rr, strict=True))
+        assert row["paired"]["min"] == pytest.approx(ratios[0], abs=1e-3)
+        assert row["paired"]["max"] == pytest.approx(ratios[-1], abs=1e-3)
+    assert len(result["round_robin_vs_ring"]) == 4  # n = 2, 3 at two sizes
     assert set(result["machine"]["load_average_by_world_size"]) == {"2", "3"}
     assert len(result["model_errors"]) == len(result["results"])
     rows = {(r["n"], r["size_bytes"], r["algorithm"]): r for r in result["results"]}

@@ -23,6 +23,7 @@ from aggregation.ring.channel import Channel, Pending
 from aggregation.ring.halving import halving_doubling
 from aggregation.ring.master import reduce_broadcast
 from aggregation.ring.ring import ring_stepwise
+from aggregation.ring.round_robin import round_robin
 from aggregation.ring.tree import recursive_doubling
 
 LENGTHS = (0, 1, 7, 10_007, 2**20 + 3)
@@ -363,8 +364,9 @@ def unpipelined_mean(rank: int, n: int) -> list[str]:
     return fails
 
 
-FAMILY = ("halving_doubling", "all_to_all")
-FAMILY_SCHEDULES = {"halving_doubling": halving_doubling, "all_to_all": all_to_all}
+FAMILY = ("halving_doubling", "all_to_all", "round_robin")
+FAMILY_SCHEDULES = {"halving_doubling": halving_doubling, "all_to_all": all_to_all,
+                    "round_robin": round_robin}
 FAMILY_LENGTHS = (0, 1, 7, VARIANT_LENGTH, 2**20 + 3)
 FAMILY_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64,
                  torch.int8, torch.uint8, torch.uint32)
@@ -385,8 +387,8 @@ def _family_grouped(alg: str, x: torch.Tensor, mean: bool = False) -> torch.Tens
 
 
 def family(rank: int, n: int) -> dict[str, object]:
-    """halving_doubling and all_to_all against dist.all_reduce: every length and dtype,
-    segmented, unpipelined, grouped, in place and mean variants, and pairwise-masked
+    """halving_doubling, all_to_all and round_robin against dist.all_reduce: every length
+    and dtype, segmented, unpipelined, grouped, in place and mean variants, and pairwise-masked
     integers whose sums wrap. Failures are keyed by algorithm."""
     fails: dict[str, list[str]] = {alg: [] for alg in FAMILY}
     digests: dict[str, dict[str, str]] = {alg: {} for alg in FAMILY}
@@ -455,7 +457,27 @@ def family(rank: int, n: int) -> dict[str, object]:
                                       "elements differ from the plain sum mod 2^32")
     sent = {alg: _elements_sent(alg) for alg in FAMILY}
     segments = {alg: _segments(alg) for alg in (*FAMILY, "tree", "master")}
-    return {"fails": fails, "digests": digests, "sent": sent, "segments": segments}
+    return {"fails": fails, "digests": digests, "sent": sent, "segments": segments,
+            "peers": _peers("round_robin")}
+
+
+def _peers(alg: str, length: int = 840 * 7) -> list[tuple[str, list[int], list[int]]]:
+    """(step, send peers, receive peers) of every transfer this rank posts in one
+    allreduce of ``length`` float32 (whole messages)."""
+    posts: list[tuple[str, list[int], list[int]]] = []
+    post = Channel.post
+
+    def recording(self: Channel, step: str, sends: Sequence = (),
+                  recvs: Sequence = ()) -> Pending:
+        posts.append((step, [p for _, p in sends], [p for _, p in recvs]))
+        return post(self, step, sends, recvs)
+
+    Channel.post = recording  # type: ignore[method-assign]
+    try:
+        allreduce(torch.ones(length), algorithm=alg, segment_bytes=None)
+    finally:
+        Channel.post = post  # type: ignore[method-assign]
+    return posts
 
 
 SEGMENT_CAP = 1 << 16  # bytes: the cap _segments puts in place of the socket's

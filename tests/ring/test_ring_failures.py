@@ -22,7 +22,8 @@ def _survivors(results: list, victim: int) -> list[dict]:
 
 
 @pytest.mark.parametrize(("algorithm", "n", "victim"), [
-    ("ring", 4, 1), ("tree", 3, 2), ("master", 3, 1), ("master", 3, 0), ("native", 3, 1)])
+    ("ring", 4, 1), ("tree", 3, 2), ("master", 3, 1), ("master", 3, 0), ("native", 3, 1),
+    ("round_robin", 3, 1)])
 def test_a_rank_dying_mid_collective_raises_on_the_others(algorithm: str, n: int,
                                                           victim: int) -> None:
     start = time.monotonic()

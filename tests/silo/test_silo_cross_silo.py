@@ -39,7 +39,7 @@ def ring_of(msg: Message) -> tuple[int, int]:
     return int(msg.content["config"]["server-round"]), int(ring["rank"])
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "round_robin"])
 def test_the_round_applies_the_weighted_mean_of_the_silos_deltas(run_inprocess, store,
                                                                  algorithm: str) -> None:
     config = scenario(rounds=1, **{"silo.algorithm": algorithm})
