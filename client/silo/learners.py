@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from client.protocol.learners import LearnerSpec
@@ -79,15 +79,19 @@ def deal_batches(n: int, cfg: TrainConfig, seed: int, total: int) -> list[list[t
             for s in range(0, len(batches), total)]
 
 
-def _plan(step: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index [L, width], weight [L, width]): each learner's batch padded with example 0,
-    each real example weighing 1 / its batch's size (a mean), padding 0."""
-    index = torch.zeros(len(step), width, dtype=torch.long)
-    weight = torch.zeros(len(step), width)
-    for j, idx in enumerate(step):
-        index[j, :len(idx)] = idx
-        weight[j, :len(idx)] = 1.0 / max(len(idx), 1)
-    return index, weight
+def _plan(steps: list[list[torch.Tensor]], width: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index [S, total, width], weight [S, total, width], has [S, total]): every step's
+    batches padded with example 0, each real example weighing 1 / its batch's size (a
+    mean), padding 0; ``has``: the learner has a batch at that step."""
+    total = len(steps[0]) if steps else 0
+    index = torch.zeros(len(steps), total, width, dtype=torch.long)
+    weight = torch.zeros(len(steps), total, width)
+    for s, step in enumerate(steps):
+        for j, idx in enumerate(step):
+            index[s, j, :len(idx)] = idx
+            weight[s, j, :len(idx)] = 1.0 / max(len(idx), 1)
+    return index, weight, weight.sum(-1) > 0
 
 
 def train_learners(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -109,37 +113,37 @@ def train_learners(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     device = params[names[0]].device
     start = torch.cat([params[n].detach().reshape(-1) for n in names])
     count, total = spec.learners, spec.learners * world
-    w = start.unsqueeze(0).repeat(count, 1)  # this process's learners [L, D]
+    w = start.unsqueeze(0).repeat(count, 1).contiguous()  # this process's learners [L, D]
     z, z_prev = start.clone(), start.clone()
     buf: torch.Tensor | None = None  # the learners' SGD momentum
 
-    def views(flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {n: part.view(shape) for n, part, shape in
-                zip(names, flat.split(sizes), shapes, strict=True)}
+    def views(flat: torch.Tensor) -> dict[str, torch.Tensor]:  # [L, D] -> [L, *shape]
+        return {n: part.reshape(len(flat), *shape) for n, part, shape in
+                zip(names, flat.split(sizes, dim=1), shapes, strict=True)}
 
-    def loss_of(flat: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor,
-                weight: torch.Tensor) -> torch.Tensor:
-        out = functional_call(module, views(flat), (xb,))
-        return (F.cross_entropy(out, yb, reduction="none") * weight).sum()
-
-    grads_of = vmap(grad_and_value(loss_of))
+    # one batched forward of every learner (vmap over the stacked parameters), then one
+    # ordinary backward: each learner's loss depends only on its own row of ``w``
+    forward = vmap(lambda p, xb: functional_call(module, p, (xb,)))
     module.train()
+    steps = deal_batches(len(x), cfg, seed, total)
+    width = max([len(i) for step in steps for i in step] + [1])
+    index, weight, has = (t.to(device) for t in _plan(steps, width))
+    mine = slice(rank * count, (rank + 1) * count)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    batches = torch.zeros((), dtype=torch.float64, device=device)
-    for s, step in enumerate(deal_batches(len(x), cfg, seed, total)):
-        mine = step[rank * count:(rank + 1) * count]
-        width = max(1, max(len(i) for i in mine))
-        index, weight = _plan(mine, width)
-        index, weight = index.to(device), weight.to(device)
-        g, loss = grads_of(w, x[index], y[index], weight)
-        has = torch.tensor([len(i) > 0 for i in mine], device=device)
-        loss_sum += loss.detach().double().sum()
-        batches += has.sum()
+    for s in range(len(steps)):
+        idx, wt, on = index[s, mine], weight[s, mine], has[s, mine, None]
+        leaf = w.requires_grad_()
+        out = forward(views(leaf), x[idx])
+        losses = F.cross_entropy(out.flatten(0, 1), y[idx].flatten(), reduction="none")
+        loss = (losses.view_as(wt) * wt).sum()
+        (g,) = torch.autograd.grad(loss, leaf)
+        w = leaf.detach()
+        loss_sum += loss.detach().double()
         if cfg.weight_decay:
-            g = g + cfg.weight_decay * w * has[:, None]
+            g = g + cfg.weight_decay * w * on
         if cfg.momentum:
-            buf = g if buf is None else torch.where(has[:, None], cfg.momentum * buf + g, buf)
-            g = buf * has[:, None]
+            buf = g if buf is None else torch.where(on, cfg.momentum * buf + g, buf)
+            g = buf * on
         c = spec.correction * (w - z)
         w = w - cfg.lr * g - c
         c_sum = c.sum(0)
@@ -148,9 +152,10 @@ def train_learners(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         z, z_prev = z + c_sum / total + spec.momentum * (z - z_prev), z
         if on_step is not None:
             on_step(s, w, z)
+    batches = has[:, mine].sum().double()
     with torch.no_grad():
-        for n, part in views(z).items():
-            params[n].copy_(part)
+        for n, part in views(z.unsqueeze(0)).items():
+            params[n].copy_(part[0])
     figures = torch.stack([loss_sum, batches])
     if world > 1:
         dist.all_reduce(figures, group=group)

@@ -144,6 +144,8 @@ def test_secagg_quick() -> None:
             assert got["mask_threads"] == (1 if name.endswith("_1t") else default_threads())
             for key in ("round_s", "client_cpu_s", "prg_bound_s"):
                 assert positive(got[key]), (name, key, got[key])
+            # a client in its own process derives the graph (none to derive for a full one)
+            assert (got["graph_derivation_s"] > 0) == (got["k"] < row["N"] - 1), name
         assert row["fedring_full"]["k"] == row["N"] - 1
         for name in ("fedring_auto", "fedring_full"):
             drop = row[name]["dropout10"]
@@ -693,3 +695,15 @@ def test_before_after_refuses_a_checkout_whose_packages_come_from_elsewhere(
                           "--quick", "--baseline", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "would import fedring from" in out.stderr
+
+
+@pytest.mark.slow
+def test_crossbow_quick() -> None:
+    result = run_quick("crossbow.py")
+    assert result["benchmark"] == "crossbow" and result["quick"] is True
+    assert set(result["samples_per_s"]) == {"sma_L4_b8", "one_b32", "one_b8"}
+    assert all(positive(v) for v in result["samples_per_s"].values())
+    assert positive(result["throughput_ratio_L4_b8_over_one_b8"])
+    assert set(result["to_target"]) == {"sma_L4_b16", "one_b64", "one_b16"}
+    for run in result["to_target"].values():
+        assert len(run["curve"]) >= 1 and all(0 <= acc <= 1 for _, acc in run["curve"])
