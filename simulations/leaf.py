@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALL_LETTERS", "LEAF_NAMES", "LEAF_URL", "load_leaf", "text_to_indices"]
+__all__ = ["ALL_LETTERS", "LEAF_NAMES", "LEAF_URL", "LeafIndex", "load_leaf", "text_to_indices"]
 
 LEAF_URL = "https://github.com/TalwalkarLab/leaf"
 ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -145,9 +145,11 @@ def _int_labels(num_classes: int, name: str) -> Callable[[list[Any], str], np.nd
     return labels
 
 
-def load_leaf(name: str, *, path: str | os.PathLike[str] | None = None,
-              max_users: int | None = None, features: int = SENT140_FEATURES) -> dict[str, Any]:
-    """The fields of a :class:`~simulations.datasets.Dataset` read from a LEAF data folder."""
+def _check(name: str, path: str | os.PathLike[str] | None, max_users: int | None,
+           features: int) -> tuple[str, Callable[[list[Any], str], np.ndarray],
+                                   Callable[[list[Any], str], np.ndarray], int,
+                                   tuple[int, ...]]:
+    """The checked folder, then the encoders, class count and input shape of ``name``."""
     if path is None or not os.fspath(path):
         raise ValueError(f"dataset {name!r} reads LEAF JSON files from disk: set "
                          f"data.options.path (e.g. --set data.options.path=leaf/data/{name}/data)"
@@ -165,7 +167,13 @@ def load_leaf(name: str, *, path: str | os.PathLike[str] | None = None,
         "shakespeare": (_shakespeare_x, _shakespeare_y, len(ALL_LETTERS), (SEQ_LEN,)),
         "sent140": (_sent140_x(features), _int_labels(2, name), 2, (features,)),
     }[name]
+    return folder, encode_x, encode_y, num_classes, shape
 
+
+def load_leaf(name: str, *, path: str | os.PathLike[str] | None = None,
+              max_users: int | None = None, features: int = SENT140_FEATURES) -> dict[str, Any]:
+    """The fields of a :class:`~simulations.datasets.Dataset` read from a LEAF data folder."""
+    folder, encode_x, encode_y, num_classes, shape = _check(name, path, max_users, features)
     user_ids: dict[str, int] = {}
     splits: dict[str, tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]] = {}
     for split in ("train", "test"):
@@ -189,3 +197,141 @@ def load_leaf(name: str, *, path: str | os.PathLike[str] | None = None,
     return {"x_train": np.concatenate(trx), "y_train": np.concatenate(try_),
             "x_test": np.concatenate(tex), "y_test": np.concatenate(tey),
             "num_classes": num_classes, "input_shape": shape, "groups": np.concatenate(trg)}
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _spans(path: str, name: str) -> tuple[list[str], dict[str, tuple[int, int, int]]]:
+    """``(users, {user: (start, end, samples)})`` of one LEAF file: the byte span of each
+    user's ``{"x": ..., "y": ...}`` in ``user_data``, found by one pass of the JSON decoder
+    over the file read as Latin-1 (one character per byte, so positions are byte offsets;
+    the records are decoded as UTF-8 when they are read)."""
+    decoder = json.JSONDecoder()
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("latin-1")
+
+        def at(pos: int, char: str) -> int:
+            pos = _WS.match(text, pos).end()
+            if text[pos:pos + 1] != char:
+                raise ValueError(f"expected {char!r} at byte {pos}")
+            return pos + 1
+
+        users: Any = None
+        counts: Any = None
+        spans: dict[str, tuple[int, int, int]] | None = None
+        pos = at(0, "{")
+        while text[_WS.match(text, pos).end()] != "}":
+            key, pos = json.decoder.scanstring(text, at(pos, '"'))
+            pos = _WS.match(text, at(pos, ":")).end()
+            if key == "user_data":
+                spans, pos = {}, at(pos, "{")
+                while text[_WS.match(text, pos).end()] != "}":
+                    user, pos = json.decoder.scanstring(text, at(pos, '"'))
+                    start = _WS.match(text, at(pos, ":")).end()
+                    entry, pos = decoder.raw_decode(text, start)
+                    if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
+                        raise _NotLeaf(f"user {user!r} has no x and y in 'user_data'")
+                    if len(entry["x"]) != len(entry["y"]):
+                        raise _NotLeaf(f"user {user!r} has {len(entry['x'])} x, "
+                                       f"{len(entry['y'])} y")
+                    spans[user] = (start, pos, len(entry["y"]))
+                    pos = _WS.match(text, pos).end()
+                    pos += text[pos] == ","
+                pos = at(pos, "}")
+            else:
+                value, pos = decoder.raw_decode(text, pos)
+                users, counts = ((value, counts) if key == "users"
+                                 else (users, value) if key == "num_samples" else (users, counts))
+            pos = _WS.match(text, pos).end()
+            pos += text[pos] == ","
+    except _NotLeaf as exc:
+        raise ValueError(f"{name}: {path!r}: {exc}") from None
+    except (OSError, ValueError, IndexError) as exc:
+        raise ValueError(f"{name}: cannot read {path!r} as JSON ({exc}); {_hint(name)}") from exc
+    if users is None or spans is None:
+        raise ValueError(f"{name}: {path!r} is not a LEAF file: it needs 'users', "
+                         "'num_samples' and 'user_data'")
+    if counts is None:
+        counts = [None] * len(users)
+    if not isinstance(users, list) or not isinstance(counts, list) or len(counts) != len(users):
+        raise ValueError(f"{name}: {path!r}: 'users' and 'num_samples' must be lists of equal "
+                         "length and 'user_data' an object")
+    for user, count in zip(users, counts, strict=True):
+        if str(user) not in spans:
+            raise ValueError(f"{name}: {path!r}: user {user!r} has no x and y in 'user_data'")
+        if count is not None and count != spans[str(user)][2]:
+            raise ValueError(f"{name}: {path!r}: user {user!r} has {spans[str(user)][2]} "
+                             f"samples and num_samples {count}")
+    return [str(u) for u in users], spans
+
+
+class _NotLeaf(Exception):
+    """A LEAF file's structure is not as LEAF writes it."""
+
+
+class LeafIndex:
+    """A LEAF folder indexed once, each user's records read when the user is asked for.
+
+    One pass over the files (one file in memory at a time) keeps, per user and file it
+    appears in, the file number and the byte span of its records: a few int64 per client,
+    no user names. Users are numbered as :func:`load_leaf` numbers them (first appearance
+    in the training files, ``max_users`` kept), so client ``i`` gets the same records in
+    the same order either way.
+    """
+
+    def __init__(self, name: str, *, path: str | os.PathLike[str] | None = None,
+                 max_users: int | None = None, features: int = SENT140_FEATURES) -> None:
+        folder, self._encode_x, self._encode_y, self.num_classes, self.input_shape = _check(
+            name, path, max_users, features)
+        self.name = name
+        self.x_dtype = np.dtype(np.int64 if name == "shakespeare" else np.float32)
+        self.files: dict[str, list[str]] = {}
+        self._index: dict[str, tuple[np.ndarray, ...]] = {}
+        user_ids: dict[str, int] = {}
+        for split in ("train", "test"):
+            self.files[split] = _json_files(folder, split, name)
+            ids: list[int] = []
+            where: list[tuple[int, int, int]] = []
+            for f, file in enumerate(self.files[split]):
+                users, spans = _spans(file, name)
+                for user in users:
+                    start, end, count = spans[user]
+                    if split == "train" and user not in user_ids and count and (
+                            max_users is None or len(user_ids) < max_users):
+                        user_ids[user] = len(user_ids)
+                    if user in user_ids and count:
+                        ids.append(user_ids[user])
+                        where.append((f, start, end))
+            if not ids:
+                raise ValueError(f"{name}: no samples in {os.path.join(folder, split)!r}"
+                                 + ("" if split == "train" else " for the training users"))
+            order = np.argsort(np.asarray(ids, dtype=np.int64), kind="stable")
+            spans_ = np.asarray(where, dtype=np.int64)[order]
+            offsets = np.searchsorted(np.asarray(ids, dtype=np.int64)[order],
+                                      np.arange(len(user_ids) + 1))
+            self._index[split] = (offsets.astype(np.int64), spans_)
+        self.num_clients = len(user_ids)
+
+    def records(self, split: str, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Client ``i``'s ``split`` records (``"train"`` or ``"test"``), encoded."""
+        offsets, spans = self._index[split]
+        xs, ys = [], []
+        for f, start, end in spans[offsets[i]:offsets[i + 1]]:
+            file = self.files[split][int(f)]
+            with open(file, "rb") as fh:
+                fh.seek(int(start))
+                entry = json.loads(fh.read(int(end - start)))
+            where = f"{file!r} client {i}"
+            xs.append(self._encode_x(entry["x"], where))
+            ys.append(self._encode_y(entry["y"], where))
+        if not xs:
+            return np.empty((0, *self.input_shape), self.x_dtype), np.empty(0, np.int64)
+        return np.concatenate(xs), np.concatenate(ys)
+
+    def train(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.records("train", i)
+
+    def held_out(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.records("test", i)

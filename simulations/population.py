@@ -2,12 +2,13 @@
 
 ``[data] population = "on_demand"`` makes client ``i``'s natural partition (its own
 records) only when ``i`` is asked for: FedProx Synthetic generates user ``i`` from
-(seed, i) (:class:`~simulations.datasets.SyntheticSpec`), and an ``.npz`` file with
-``groups`` reads the group's rows from its arrays mapped in memory (:class:`NpzSource`).
-Recently used clients stay in an LRU cache bounded in bytes (``[data] cache_mb``);
-central evaluation uses a fixed test sample of at most :data:`TEST_SAMPLE` examples: the
-held-out records of clients 0, 1, 2, ... in order (an npz file: the first rows of
-``x_test``).
+(seed, i) (:class:`~simulations.datasets.SyntheticSpec`), the LEAF sets read the user's
+records at byte offsets indexed once (:class:`~simulations.leaf.LeafIndex`), and an
+``.npz`` file with ``groups`` reads the group's rows from its arrays mapped in memory
+(:class:`NpzSource`). Recently used clients stay in an LRU cache bounded in bytes
+(``[data] cache_mb``); central evaluation uses a fixed test sample of at most
+:data:`TEST_SAMPLE` examples: the held-out records of clients 0, 1, 2, ... in order (an
+npz file: the first rows of ``x_test``).
 
 ``"auto"`` (the default) chooses on demand when the dataset can make clients one by one,
 the partitioner is ``natural`` and there are more than :data:`AUTO_CLIENTS` clients;
@@ -34,7 +35,7 @@ POPULATIONS = ("auto", "memory", "on_demand")
 AUTO_CLIENTS = 10_000  # "auto" makes clients on demand above this many
 DEFAULT_CACHE_MB = 64.0
 TEST_SAMPLE = 10_000  # examples in the central test sample made on demand
-ON_DEMAND_DATASETS = ("npz", "synthetic")
+ON_DEMAND_DATASETS = ("femnist", "npz", "sent140", "shakespeare", "synthetic")
 
 
 class ClientSource(Protocol):
@@ -48,8 +49,10 @@ class ClientSource(Protocol):
     def train(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Client ``i``'s natural partition: its training records, in the loader's order."""
 
-    def test_sample(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
-        """At most ``limit`` held-out records, always the same."""
+    def held_out(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Client ``i``'s held-out records (the central test set's share of its user), or,
+        where the test set is not per client, ``test_sample(limit)``: at most ``limit``
+        held-out records, always the same."""
 
 
 def held_out_sample(held_out: Any, num_clients: int, limit: int, input_shape: tuple[int, ...],
@@ -85,9 +88,9 @@ class SyntheticSource:
         x, y, _, _ = self.spec.split(i, self.test_fraction)
         return x, y
 
-    def test_sample(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
-        return held_out_sample(lambda i: self.spec.split(i, self.test_fraction)[2:],
-                               self.num_clients, limit, self.input_shape, self.x_dtype)
+    def held_out(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        _, _, x, y = self.spec.split(i, self.test_fraction)
+        return x, y
 
 
 class NpzSource:
@@ -197,6 +200,10 @@ def make_source(dataset: str, *, seed: int, test_fraction: float,
         return SyntheticSource(seed=seed, test_fraction=test_fraction, **options)
     if dataset == "npz":
         return NpzSource(**options)
+    if dataset in ("femnist", "sent140", "shakespeare"):
+        from simulations.leaf import LeafIndex
+
+        return LeafIndex(dataset, **options)
     raise ValueError(f"data.population = 'on_demand' cannot make clients of dataset "
                      f"{dataset!r} one by one (it can for {', '.join(ON_DEMAND_DATASETS)}): "
                      "set data.population = 'memory'")
@@ -278,7 +285,12 @@ class OnDemandPopulation:
     def test_sample(self) -> tuple[np.ndarray, np.ndarray]:
         """The central test sample: at most ``test_sample`` held-out examples, made once."""
         if self._test is None:
-            x, y = self.source.test_sample(self._test_limit)
+            held_out = getattr(self.source, "held_out", None)
+            if held_out is not None:
+                x, y = held_out_sample(held_out, self.num_clients, self._test_limit,
+                                       self.input_shape, self.x_dtype)
+            else:
+                x, y = self.source.test_sample(self._test_limit)
             self._test = (np.ascontiguousarray(x), np.ascontiguousarray(y, dtype=np.int64))
         return self._test
 

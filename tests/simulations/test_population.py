@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from miniature_files import leaf_users, write_leaf, write_leaf_set
 
 from server.store import Store
 from simulations.cli import run_simulation
 from simulations.config import load_scenario
+from simulations.leaf import LeafIndex
 from simulations.population import AUTO_CLIENTS, OnDemandPopulation, SyntheticSource
 from simulations.task import ScenarioTask
 
@@ -223,3 +225,44 @@ def test_npz_compressed_or_without_groups_is_refused_on_demand(tmp_path):
              y_test=np.zeros(1, int))
     with pytest.raises(ValueError, match=r"lacks 'groups'.*data\.population = 'memory'"):
         NpzSource(path=str(path))
+
+
+@pytest.mark.parametrize("kind", ["femnist", "shakespeare", "sent140"])
+def test_leaf_users_are_read_one_at_a_time(tmp_path, kind):
+    """A LEAF miniature in the published format, users over two training files and one
+    spread over both: every client's records on demand are the in-memory partition."""
+    rng = np.random.default_rng(5)
+    train = [leaf_users(kind, rng, {"a": 5, "b": 0, "c": 7}),
+             leaf_users(kind, rng, {"d": 4, "a": 3, "é": 6})]
+    test = [leaf_users(kind, rng, {"é": 2, "c": 3, "a": 2, "zz": 4})]
+    folder = write_leaf(tmp_path / kind, {"train": train, "test": test})
+    base = [s for s in SYNTH if not s.startswith(("data.options", "federation.clients",
+                                                  "model.kind"))]
+    model = "char_lstm" if kind == "shakespeare" else "logreg"
+    config = load_scenario("default", [*base, f"data.dataset={kind}", f"model.kind={model}",
+                                       f"data.options.path={folder}", "federation.clients=4"])
+    mem = ScenarioTask.from_config(config)
+    dem = ScenarioTask.from_config({**config, "data": {**config["data"],
+                                                       "population": "on_demand"}})
+    dem.check()
+    assert dem.population.num_clients == 4
+    for pid in (3, 0, 2, 1):
+        for a, b in zip(mem.partition(pid), dem.partition(pid), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the test sample: held-out records of clients 0, 1, 2, ... (a, c, d, é)
+    y_test = dem.load_test().tensors[1]
+    assert len(y_test) == 2 + 3 + 0 + 2
+    assert sorted(y_test.tolist()) == sorted(mem.load_test().tensors[1].tolist())
+
+
+def test_leaf_index_keeps_a_few_numbers_per_client(tmp_path):
+    folder = write_leaf_set(tmp_path, "femnist", users=6)
+    index = LeafIndex("femnist", path=str(folder), max_users=5)
+    assert index.num_clients == 5
+    offsets, spans = index._index["train"]
+    assert offsets.dtype == spans.dtype == np.int64 and spans.shape == (5, 3)
+    assert [len(index.train(i)[1]) for i in range(5)] == [6, 8, 10, 12, 14]
+    (folder / "train" / sorted(p.name for p in (folder / "train").iterdir())[0]).write_text(
+        '{"users": ["x"], "num_samples": [2], "user_data": {"x": {"x": [], "y": []}}}')
+    with pytest.raises(ValueError, match=r"user 'x' has 0 samples and num_samples 2"):
+        LeafIndex("femnist", path=str(folder))
