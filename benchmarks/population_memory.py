@@ -1,21 +1,35 @@
-"""Peak memory of loading FedProx Synthetic for large populations, per client count.
+"""Peak memory of FedProx Synthetic for large populations, held in memory or made on demand.
 
-Each count loads ``synthetic`` with ``num_users`` = the client count (one user per client,
-the natural partition) in a fresh interpreter, which reports its resident set before the
-load and its peak (``VmHWM``: unlike ``ru_maxrss`` it is not inherited from the parent
-that spawned it) after it, beside the bytes of the loaded arrays. The
-loader's target: the peak growth under twice the data.
+Each count runs in a fresh interpreter, which reports its resident set before the work and
+its peak (``VmHWM``: unlike ``ru_maxrss`` it is not inherited from the parent that spawned
+it) after it.
+
+- ``measure`` (used by ``simulation_overhead.py``): load ``synthetic`` with ``num_users`` =
+  the client count (one user per client, the natural partition) and partition it, beside
+  the bytes of the loaded arrays. The loader's target: the peak growth under twice the data.
+- ``python benchmarks/population_memory.py [--quick]``: a built-in scenario's task
+  (``synthetic``, natural partition, logreg) with ``data.population = "memory"`` and
+  ``"on_demand"`` per population: build and check the task, then make a cohort of random
+  clients (training data and held-out split) and the central test sample; peak resident
+  growth and seconds of each step. One JSON object on stdout.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from harness import log
+from machine_info import load_average, machine
+
+POPULATIONS = [10_000, 100_000, 1_000_000, 15_000_000]
+MEMORY_UP_TO = 10_000  # larger populations held in memory take minutes and gigabytes
+QUICK_POPULATIONS = [1_000, 100_000]
 
 
 def _rss_bytes() -> int:
@@ -64,5 +78,81 @@ def measure(counts: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+def task_child(mode: str, population: int, cohort: int) -> None:
+    """In a fresh interpreter: build, check and sample a task; print the figures."""
+    import numpy as np
+
+    from simulations.config import load_scenario
+    from simulations.task import ScenarioTask
+
+    config = load_scenario("default", [
+        "data.dataset=synthetic", "data.partitioner=natural", "model.kind=logreg",
+        f"federation.clients={population}", f"data.options.num_users={population}",
+        f"data.population={mode}"])
+    before = _rss_bytes()
+    t0 = time.perf_counter()
+    task = ScenarioTask.from_config(config)
+    task.check()
+    t1 = time.perf_counter()
+    samples = 0
+    for pid in np.random.default_rng(0).choice(population, cohort, replace=False):
+        x, _ = task.partition(int(pid))
+        held = task.client_test(int(pid))
+        samples += len(x) + (0 if held is None else len(held[0]))
+    t2 = time.perf_counter()
+    test = len(task.load_test())
+    t3 = time.perf_counter()
+    print(json.dumps({"mode": mode, "population": population, "cohort": cohort,
+                      "cohort_samples": samples, "test_samples": test,
+                      "on_demand": task.on_demand, "rss_before": before,
+                      "peak_growth": _peak_rss_bytes() - before,
+                      "build_check_s": round(t1 - t0, 3), "cohort_s": round(t2 - t1, 3),
+                      "test_sample_s": round(t3 - t2, 3)}), flush=True)
+
+
+def measure_tasks(populations: list[int], cohort: int, memory_up_to: int
+                  ) -> list[dict[str, Any]]:
+    rows = []
+    for population in populations:
+        for mode in ("memory", "on_demand"):
+            if mode == "memory" and population > memory_up_to:
+                continue
+            out = subprocess.run([sys.executable, __file__, "--child", mode, str(population),
+                                  str(cohort)], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"{mode} population of {population} failed:\n"
+                                   f"{out.stderr[-2000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            log(f"{mode:>9}, {population:>10,} clients: peak growth "
+                f"{row['peak_growth'] / 2**20:8.1f} MiB, build+check {row['build_check_s']:.2f}"
+                f" s, {cohort} clients {row['cohort_s']:.2f} s, test sample "
+                f"{row['test_sample_s']:.2f} s")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"populations {QUICK_POPULATIONS}, a cohort of 20")
+    parser.add_argument("--populations", default=",".join(map(str, POPULATIONS)))
+    parser.add_argument("--cohort", type=int, default=1000)
+    parser.add_argument("--memory-up-to", type=int, default=MEMORY_UP_TO,
+                        help="hold populations up to this size in memory too")
+    args = parser.parse_args(argv)
+    populations = (QUICK_POPULATIONS if args.quick
+                   else [int(p) for p in args.populations.split(",")])
+    cohort = 20 if args.quick else args.cohort
+    rows = measure_tasks(populations, cohort, args.memory_up_to)
+    print(json.dumps({"benchmark": "population_memory", "quick": args.quick,
+                      "cohort": cohort, "rows": rows, "machine": machine(),
+                      "load_average": load_average()}))
+
+
 if __name__ == "__main__":
-    child(int(sys.argv[1]))
+    if len(sys.argv) == 2 and sys.argv[1].isdigit():
+        child(int(sys.argv[1]))
+    elif len(sys.argv) == 5 and sys.argv[1] == "--child":
+        task_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()
