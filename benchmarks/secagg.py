@@ -24,7 +24,9 @@ float32 delta of d coordinates, so only aggregation and protocol costs are measu
   2 neighbours) and num_shares = all (1.0).
 
 Per configuration: round wall time, per-client CPU time (thread time inside the ClientApp
-plus that of the worker threads it waited for, median over clients), and for fedring the
+plus that of the worker threads it waited for, median over clients; the clients of the
+process share the graph's memo, and ``graph_derivation_s`` is what deriving the graph
+once costs a client in its own process), and for fedring the
 secure overhead (client CPU minus plain's) next
 to the PRG bound: the CPU time to expand (k+1) AES-128-CTR masks of d 32-bit words and
 add them, measured right after each round so that overhead and bound see the same
@@ -46,6 +48,9 @@ one JSON object.
         --flower-shares 3 --no-dropouts              # malicious/semi-honest, and Flower
     .venv/bin/python benchmarks/secagg.py --cifar-model  # N = 100 at the size of the cifar10
                                                      # scenario's batch-norm CNN (quick: N = 4)
+    .venv/bin/python benchmarks/secagg.py --sizes 100x100000,300x100000,1000x100000 \
+        --variants auto_1t --security semi_honest --no-flower --no-dropouts
+                                                     # N sweep: round time, client cost per N
 """
 
 from __future__ import annotations
@@ -308,6 +313,21 @@ def flower_in_child(inputs: dict[int, tuple[np.ndarray, int]], n: int, d: int,
 # --------------------------------------------------------------------------- driver
 
 
+def graph_seconds(n: int, k: int) -> float:
+    """CPU seconds to derive the round's k-regular graph on n clients once, unmemoized:
+    what a client in its own process pays on top of ``client_cpu_s`` (the clients of one
+    process share the memo), O(n k)."""
+    if k >= n - 1:
+        return 0.0
+    times = []
+    for i in range(3):
+        seed = bytes([i]) * 32
+        start = time.process_time()
+        graph._regular_graph.__wrapped__(n, k, seed)
+        times.append(time.process_time() - start)
+    return min(times)
+
+
 def median_client_cpu(timed: Timed) -> float:
     return statistics.median(timed.cpu.values()) if timed.cpu else 0.0
 
@@ -397,6 +417,7 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
                          "prg_bound_s": min(g[4] for g in got),
                          "overhead_over_prg_each": ratios,
                          "overhead_over_prg": statistics.median(ratios) if ratios else None,
+                         "graph_derivation_s": graph_seconds(n, stats.k),
                          "server_stage_s": stats.server_seconds}
             semi = runs.get(suffix.replace("_malicious", ""))
             if "_malicious" in suffix and semi:  # against the semi-honest twin, same reps
