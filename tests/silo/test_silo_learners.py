@@ -37,11 +37,23 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(101, 8, generator=gen), torch.randint(0, 3, (101,), generator=gen)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_one_process_follows_the_plain_loop_step_by_step(case: str) -> None:
+class Wrapped(torch.nn.Module):
+    """The same network, not an ``nn.Sequential``: its learners run through ``vmap``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = build_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("case, kind", [(c, "sequential") for c in sorted(CASES)]
+                         + [("momentum_decay", "vmap")])
+def test_one_process_follows_the_plain_loop_step_by_step(case: str, kind: str) -> None:
     cfg, alpha, mu = CASES[case]
     x, y = data()
-    model = build_model()
+    model = build_model() if kind == "sequential" else Wrapped()
     start = parameters_to_vector(model.parameters()).detach().clone()
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     train_learners(model, x, y, cfg, LearnerSpec(4, momentum=mu, correction=alpha), seed=5,
