@@ -311,7 +311,11 @@ class CrossSiloRounds(RoundSource):
 
     def __init__(self, ctx: RunContext, *, silo: SiloConfig, aggregation: AggregationConfig,
                  ring: RingCollector | None = None) -> None:
-        learners = silo.learner_spec().config()
+        spec = silo.learner_spec()
+        reason = spec.refusal(ctx.config.get("train") or {})
+        if reason is not None:  # at start, not in every silo's first round
+            raise ValueError(reason)
+        learners = spec.config()
         self.ctx: RunContext = (SiloRunContext(ctx, learners)  # type: ignore[assignment]
                                 if learners else ctx)
         self.silo = silo

@@ -7,6 +7,7 @@ replica per process (DDP). ``client.silo.learners`` reads them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,22 @@ class LearnerSpec:
             return {}
         return {LearnerKey.LEARNERS: self.learners, LearnerKey.MOMENTUM: self.momentum,
                 LearnerKey.CORRECTION: self.correction}
+
+    def refusal(self, train: Mapping[str, Any]) -> str | None:
+        """Why the ``[train]`` settings ``train`` cannot run with these learners, or None."""
+        if self.learners == 1:
+            return None
+        if float(train.get("dp_sgd_noise_multiplier", 0.0)) > 0:
+            return ("DP-SGD (train.dp_sgd_noise_multiplier > 0) is not supported with "
+                    "silo.learners > 1: set silo.learners = 1")
+        if float(train.get("proximal_mu", 0.0)) > 0:
+            return ("FedProx (train.proximal_mu > 0) is not supported with silo.learners > 1: "
+                    "set train.proximal_mu = 0 or silo.learners = 1")
+        optimizer = train.get("optimizer", "sgd")
+        if optimizer != "sgd":
+            return (f"silo.learners > 1 trains with SGD, got train.optimizer = '{optimizer}': "
+                    "set train.optimizer = 'sgd' or silo.learners = 1")
+        return None
 
     @classmethod
     def of(cls, config: ConfigRecord) -> LearnerSpec:

@@ -51,15 +51,11 @@ StepHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 def check_learners(module: torch.nn.Module, cfg: TrainConfig) -> None:
     """Settings learners with SMA cannot honour (a clear error naming the key)."""
-    if cfg.dp_sgd:
-        raise ValueError("DP-SGD (train.dp_sgd_noise_multiplier > 0) is not supported with "
-                         "silo.learners > 1: set silo.learners = 1")
-    if cfg.proximal_mu > 0:
-        raise ValueError("FedProx (train.proximal_mu > 0) is not supported with "
-                         "silo.learners > 1: set train.proximal_mu = 0 or silo.learners = 1")
-    if cfg.optimizer != "sgd":
-        raise ValueError(f"silo.learners > 1 trains with SGD, got train.optimizer = "
-                         f"'{cfg.optimizer}': set train.optimizer = 'sgd' or silo.learners = 1")
+    reason = LearnerSpec(2).refusal({"dp_sgd_noise_multiplier": cfg.dp_sgd_noise_multiplier,
+                                     "proximal_mu": cfg.proximal_mu,
+                                     "optimizer": cfg.optimizer})
+    if reason is not None:
+        raise ValueError(reason)
     buffers = [name for name, _ in module.named_buffers()]
     if buffers:
         raise ValueError(f"silo.learners > 1 cannot average buffers ({', '.join(buffers[:3])}:"

@@ -86,3 +86,16 @@ def test_a_secure_cross_silo_round_unmasks_the_same_model(run_inprocess) -> None
 def test_bad_learner_settings_fail_at_start_naming_the_key(values: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         scenario(rounds=1, **values)
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"train.optimizer": "adam"}, "train.optimizer"),
+    ({"train.proximal_mu": 0.1}, "train.proximal_mu"),
+])
+def test_training_settings_learners_cannot_honour_fail_at_start(run_inprocess, values: dict,
+                                                               key: str) -> None:
+    config = scenario(rounds=1, **LEARNERS, **values)
+    seen: list[dict] = []
+    with pytest.raises(ValueError, match=key):
+        run_inprocess(config, grid=ConcurrentGrid(silo_app(seen), SILOS))
+    assert seen == []  # no silo got a training message
