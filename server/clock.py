@@ -85,6 +85,10 @@ class Clock:
     def next_online(self, node: int) -> float:
         return self.now()
 
+    def all_online(self) -> bool:
+        """Whether every node is online whenever asked (the wall clock: it cannot know)."""
+        return True
+
 
 class WallClock(Clock):
     """Wall-clock time since the clock was made; every client counts as online."""
@@ -123,3 +127,9 @@ class SimulatedClock(Clock):
 
     def next_online(self, node: int) -> float:
         return self.model.next_online(node, self._now)
+
+    def all_online(self) -> bool:
+        """Whether the client model has every node online always (``always_online``, where
+        the model says; else False)."""
+        always = getattr(self.model, "always_online", None)
+        return bool(always()) if always is not None else False

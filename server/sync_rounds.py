@@ -78,7 +78,7 @@ class SyncRounds(RoundSource):
         clock.bind(nodes)
         ctx.resume_clock()
         carried, busy_until = self.collector.carried(), self.collector.busy_until
-        if not clock.simulated and not carried and not self.collector.busy():
+        if clock.all_online() and not carried and not self.collector.busy():
             # every node is online and idle: draw among all, never listing them
             return draw_cohort(nodes, fed=ctx.fed, concurrency=ctx.driver_config.concurrency,
                                seed=ctx.seed, rnd=rnd, dp=ctx.dp)

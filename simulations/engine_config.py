@@ -44,7 +44,7 @@ class EngineConfig:
     # A factory, not a plain default, so that the section accepts a string or a bool.
     vectorize: Any = field(default_factory=lambda: False)
     node_cache: int = 10_000
-    threads: Any = 0
+    threads: Any = field(default_factory=lambda: 0)  # a number or "auto"
 
     def __post_init__(self) -> None:
         if self.client_cpus <= 0:

@@ -2,13 +2,14 @@
 
 Node ids are ranked (sorted) and profile ``i`` goes to the ``i``-th node, so the same
 seed and node set give the same profiles on every engine. Everything is drawn from
-numpy generators seeded by (run seed, purpose, node rank): no global state.
+numpy generators seeded by (run seed, purpose, node rank): no global state. A ``range``
+of node ids (the in-process engine's) is ranked without listing it: a few bytes a node.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,13 +20,32 @@ from server.driver_config import ClientsConfig
 _SPEED, _STRAGGLERS, _OFFLINE, _SCHEDULE = 1, 2, 3, 4
 
 
+class RangeRank(Mapping[int, int]):
+    """The ranks of an ascending ``range`` of node ids: ``node -> node - start``."""
+
+    def __init__(self, nodes: range) -> None:
+        self.nodes = nodes
+
+    def __getitem__(self, node: int) -> int:
+        if node not in self.nodes:
+            raise KeyError(node)
+        return (node - self.nodes.start) // self.nodes.step
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
 class ClientProfiles:
     """Per-client compute time and online/offline schedule (a ``server.clock.ClientModel``)."""
 
     def __init__(self, cfg: ClientsConfig, seed: int) -> None:
         self.cfg = cfg
         self.seed = int(seed)
-        self._rank: dict[int, int] = {}
+        self._rank: Mapping[int, int] = {}
+        self._all_online = True
         self.speed = np.zeros(0)
         self.straggler = np.zeros(0, dtype=bool)
         self.flaky = np.zeros(0, dtype=bool)
@@ -35,17 +55,24 @@ class ClientProfiles:
 
     def bind(self, nodes: Iterable[int]) -> None:
         """Draw the profiles for this node set (again only if the set changed)."""
-        ordered = sorted(int(n) for n in nodes)
-        if ordered == sorted(self._rank):
-            return
-        n, cfg = len(ordered), self.cfg
-        self._rank = {node: i for i, node in enumerate(ordered)}
+        if isinstance(nodes, range) and nodes.step > 0:
+            if isinstance(self._rank, RangeRank) and self._rank.nodes == nodes:
+                return
+            rank: Mapping[int, int] = RangeRank(nodes)
+        else:
+            ordered = sorted(int(n) for n in nodes)
+            if ordered == sorted(self._rank):
+                return
+            rank = {node: i for i, node in enumerate(ordered)}
+        n, cfg = len(rank), self.cfg
+        self._rank = rank
         factor = (np.random.default_rng([self.seed, _SPEED]).lognormal(0.0, cfg.speed_sigma, n)
                   if cfg.speed_sigma > 0 else np.ones(n))
         self.straggler = self._pick(cfg.straggler_fraction, n, _STRAGGLERS)
         self.speed = cfg.compute_s * factor * np.where(self.straggler,
                                                        cfg.straggler_slowdown, 1.0)
         self.flaky = self._pick(cfg.offline_fraction, n, _OFFLINE)
+        self._all_online = not self.flaky.any()
         self._switches.clear()
         self._first_online.clear()
         self._rngs.clear()
@@ -62,6 +89,10 @@ class ClientProfiles:
             return self._rank[int(node)]
         except KeyError:
             raise LookupError(f"node {node} has no profile; bind() the node set first") from None
+
+    def always_online(self) -> bool:
+        """Whether no bound node ever goes offline (no node is offline-prone)."""
+        return self._all_online
 
     def duration(self, node: int, start: float) -> float:
         return float(self.speed[self._index(node)])

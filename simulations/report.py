@@ -266,6 +266,10 @@ def _spread_panel(ax: Any, spread: dict[str, tuple[list[int], list[float]]]) -> 
     ax.legend(fontsize="small")
 
 
+#: Runs of up to this many rounds are plotted with markers and a bar per round.
+MARKED_ROUNDS = 200
+
+
 def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     """Write ``<run_id>.png``: accuracy, loss and update fates per round, the spread of the
     clients' accuracies where rounds evaluated on them, privacy spent under DP."""
@@ -286,18 +290,24 @@ def plot_run(store: Store, run_id: str, out_dir: Path) -> Path:
     spread = spread_series(rounds)
     panels = 3 + bool(spread) + bool(ledger)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4), constrained_layout=True)
-    axes[0].plot(xs, series("accuracy"), marker="o")
+    few = len(rounds) <= MARKED_ROUNDS  # markers and bars; else lines and areas (fast)
+    axes[0].plot(xs, series("accuracy"), marker="o" if few else None)
     axes[0].set(title="test accuracy", xlabel="round", ylim=(0, 1))
-    axes[1].plot(xs, series("loss"), marker="o", label="test loss")
+    axes[1].plot(xs, series("loss"), marker="o" if few else None, label="test loss")
     if any(r.metrics.get("train_loss") is not None for r in rounds):
-        axes[1].plot(xs, series("train_loss"), marker=".", label="train loss")
+        axes[1].plot(xs, series("train_loss"), marker="." if few else None, label="train loss")
     axes[1].set(title="loss", xlabel="round")
     axes[1].legend()
-    axes[2].bar(xs, [r.num_accepted for r in rounds], label="accepted")
-    axes[2].bar(xs, [r.num_rejected for r in rounds], bottom=[r.num_accepted for r in rounds],
-                label="rejected")
-    axes[2].bar(xs, [r.num_dropped for r in rounds],
-                bottom=[r.num_accepted + r.num_rejected for r in rounds], label="dropped")
+    fates = {"accepted": [r.num_accepted for r in rounds],
+             "rejected": [r.num_rejected for r in rounds],
+             "dropped": [r.num_dropped for r in rounds]}
+    if few:
+        bottom = [0] * len(xs)
+        for label, counts in fates.items():
+            axes[2].bar(xs, counts, bottom=bottom, label=label)
+            bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+    else:  # one patch per fate, not one per round and fate
+        axes[2].stackplot(xs, *fates.values(), labels=list(fates), step="mid")
     axes[2].set(title="updates", xlabel="round")
     axes[2].legend()
     info = store.get_run(run_id)

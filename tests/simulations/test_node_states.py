@@ -160,3 +160,22 @@ def test_engine_keys_are_checked():
     for bad in ({"node_cache": -1}, {"node_cache": 1.5}, {"threads": -2}, {"threads": "many"}):
         with pytest.raises(ValueError, match=f"engine.{next(iter(bad))} must be"):
             EngineConfig(**bad)
+
+
+def test_profiles_of_a_range_are_those_of_its_list():
+    from server.driver_config import ClientsConfig
+    from simulations.heterogeneity import ClientProfiles
+
+    cfg = ClientsConfig(speed_sigma=0.5, straggler_fraction=0.2, offline_fraction=0.3)
+    ranged, listed = ClientProfiles(cfg, 3), ClientProfiles(cfg, 3)
+    ranged.bind(range(1, 501))
+    listed.bind(list(range(500, 0, -1)))
+    for node in (1, 2, 250, 500):
+        assert ranged.duration(node, 0.0) == listed.duration(node, 0.0)
+        assert ranged.online(node, 7.5) == listed.online(node, 7.5)
+    assert ranged.describe() == listed.describe() and not ranged.always_online()
+    with pytest.raises(LookupError):
+        ranged.duration(501, 0.0)
+    steady = ClientProfiles(ClientsConfig(), 3)
+    steady.bind(range(1, 10**7))
+    assert steady.always_online()
