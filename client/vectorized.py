@@ -27,6 +27,7 @@ faster here even for a cohort of two.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,12 @@ STACK_BUDGET = 8 * 2**20
 # model fits one batch and is still slower vectorized.
 AUTO_MAX_DIM = 1 << 15
 MODES = ("auto", True, False)  # False: back to back (small models), never vectorized
+# Messages in one hand-over from which the process's objects are moved out of the cyclic
+# collector's way once (gc.freeze, after one collection): a round of thousands of clients
+# keeps tens of thousands of objects alive, and each full collection then also traverses
+# everything the process already held (torch, Flower, the data: about 400,000 objects),
+# measured here at 41 us a client with 10,000 clients a round, 3 us once frozen.
+FREEZE_MIN_MESSAGES = 1000
 
 
 Result = tuple[np.ndarray, float]  # a client's trained flat parameters and mean loss
@@ -110,8 +117,13 @@ class CohortHook:
         self._said: set[str] = set()
         self.trained = 0  # clients trained vectorized so far (for tests and benchmarks)
         self.back_to_back = 0  # clients trained back to back so far
+        self.froze = False  # whether this hook moved the process's objects (gc.freeze)
 
     def __call__(self, batch: list[tuple[Message, Context]]) -> None:
+        if not self.froze and len(batch) >= FREEZE_MIN_MESSAGES:
+            gc.collect()  # garbage is not frozen with the rest
+            gc.freeze()
+            self.froze = True
         for worker in _WORKERS.values():  # results nobody took (a cohort cut short) go
             worker.pretrained.clear()
         groups: dict[tuple[Any, ...], list[tuple[Message, Context]]] = {}

@@ -270,3 +270,24 @@ def test_auto_still_vectorizes_a_small_model_cohort(caplog) -> None:
     assert not any("not vectorized" in r.getMessage() for r in caplog.records)
     for a, b in zip(sequential, vectorized, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_a_large_hand_over_moves_the_processs_objects_out_of_the_collectors_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    import client.vectorized
+
+    monkeypatch.setattr(client.vectorized, "FREEZE_MIN_MESSAGES", 4)
+    gc.unfreeze()
+    try:
+        _, hook = _auto_round([], 3)  # three messages: below the bound
+        assert not hook.froze and gc.get_freeze_count() == 0
+        frozen, hook = _auto_round([], 4)
+        assert hook.froze and gc.get_freeze_count() > 0
+        assert hook.trained == 4  # training goes on as before
+    finally:
+        gc.unfreeze()
+    sequential, _ = _round([], None)
+    for a, b in zip(sequential, frozen, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
