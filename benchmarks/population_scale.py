@@ -120,7 +120,7 @@ def contention(args: argparse.Namespace) -> dict[str, Any]:
     busy_loop = [sys.executable, "-c", "while True: pass"]
     figures: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.repeats):
-        for threads in ("auto", "0"):
+        for threads in args.contention_threads.split(","):
             for load in ("quiet", "busy"):
                 hog = subprocess.Popen(busy_loop) if load == "busy" else None
                 try:
@@ -188,6 +188,10 @@ def main() -> None:
                         help="also: rounds quiet and beside a busy loop, per thread setting")
     parser.add_argument("--contention-population", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=1, help="contention alternations")
+    parser.add_argument("--contention-threads", default="auto,0",
+                        help="engine.threads values of the contention runs (comma-separated)")
+    parser.add_argument("--contention-only", action="store_true",
+                        help="only the contention runs (no populations, no plot)")
     parser.add_argument("--plot", default=None,
                         help="PNG path (default docs/population_scale.png; none in quick mode)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -203,8 +207,12 @@ def main() -> None:
     started = time.perf_counter()
     result: dict[str, Any] = {"benchmark": "population_scale", "quick": args.quick,
                               "cohort": args.cohort, "rounds": args.rounds,
-                              "engine_threads": args.engine_threads, "cpus": os.cpu_count(),
-                              **populations(args)}
+                              "engine_threads": args.engine_threads, "cpus": os.cpu_count()}
+    if args.contention_only:
+        result.update(contention(args))
+        print(json.dumps(result))
+        return
+    result.update(populations(args))
     if args.contention:
         result.update(contention(args))
     result["bench_wall_s"] = round(time.perf_counter() - started, 1)
