@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
 from flwr.app import Context
@@ -120,7 +120,7 @@ def make_server_app(build_task: TaskBuilder, resolve_config: ConfigResolver, *,
                 shown.message("fedring run not started: fix the run config and submit it "
                               "again")
                 return
-            shown.message(f"fedring: {len(list(grid.get_node_ids()))} node(s) connected, "
+            shown.message(f"fedring: {node_count(grid)} node(s) connected, "
                           f"federation.clients = {cfg['federation']['clients']}, store {url}")
         warn_on_node_count(grid, cfg, shown)
         observer = observe(cfg, url) if observe is not None else None
@@ -160,10 +160,16 @@ def _from_run_config(grid: Grid, run_config: dict[str, Any], resolve_config: Con
     return resolve_config({**run_config, NODES_KEY: len(nodes)}), url, None
 
 
+def node_count(grid: Grid) -> int:
+    """How many nodes the grid has, without listing them when it can say (a range)."""
+    ids = grid.get_node_ids()
+    return len(ids) if isinstance(ids, Sized) else len(list(ids))
+
+
 def warn_on_node_count(grid: Grid, config: dict[str, Any], reporter: Reporter) -> None:
     """Say loudly when ``federation.clients`` differs from the number of connected nodes:
     partitions without a node never train, nodes without a partition fail."""
-    nodes, clients = len(list(grid.get_node_ids())), config["federation"]["clients"]
+    nodes, clients = node_count(grid), config["federation"]["clients"]
     if nodes == clients or nodes == 0:
         return
     effect = (f"only {nodes} of the {clients} partitions will train" if nodes < clients

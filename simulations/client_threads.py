@@ -6,9 +6,9 @@ threads only wait on each other at each operation's barrier. On a busy machine t
 grows with every time slice another process takes (a round of 1,000 logistic-regression
 clients ran 10 to 30 times slower beside one CPU-bound process). So a client whose model
 has fewer than :data:`SMALL_MODEL` parameters trains on one thread; a larger one keeps
-the process's setting. This is ``engine.threads = "auto"``; the default (0) keeps the
-process's setting for every client, because one thread sums in another order than two:
-the models differ from today's in their last bits.
+the process's setting. This is ``engine.threads = "auto"``, the default; ``0`` keeps the
+process's setting for every client. One thread also makes a small model's result the
+same on machines with any number of cores.
 """
 
 from __future__ import annotations

@@ -11,15 +11,16 @@ The in-process engine: ``vectorize`` trains a round's clients as one batched com
 (``client.batched_training``) when they share the model and optimizer: ``false`` (the default: one
 client after the other, small models back to back, ``client.vectorized``), ``"auto"``
 (cohorts of two or more clients that can be vectorized and whose stacked parameters fit
-one batch, ``client.vectorized.STACK_BUDGET``; the others as with ``false``, with one log
+one batch, ``client.vectorized.STACK_BUDGET``, of a model of at most
+``client.vectorized.AUTO_MAX_DIM`` parameters; the others as with ``false``, with one log
 line per reason) or ``true`` (every cohort that can be, in batches that fit, with a
 warning per reason when one cannot). ``node_cache``: how many nodes' contexts stay in
 memory (default 10,000; 0: no bound); the least recently sampled others' node state goes
 to a SQLite file in a temporary folder and comes back exactly when the node is sampled
 again (``simulations.node_states``). ``threads``: the intra-op threads each client trains
-on: 0 (the default) the process's setting, a number that many, ``"auto"`` by the model's
-size: one below 100,000 parameters, else the process's setting
-(``simulations.client_threads``; for populations of small-model clients on a busy machine).
+on: ``"auto"`` (the default) by the model's size, one below 100,000 parameters, else the
+process's setting; 0 the process's setting; a number that many
+(``simulations.client_threads``; small models only wait on a second thread).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class EngineConfig:
     # A factory, not a plain default, so that the section accepts a string or a bool.
     vectorize: Any = field(default_factory=lambda: False)
     node_cache: int = 10_000
-    threads: Any = field(default_factory=lambda: 0)  # a number or "auto"
+    threads: Any = field(default_factory=lambda: "auto")  # a number or "auto"
 
     def __post_init__(self) -> None:
         if self.client_cpus <= 0:

@@ -22,7 +22,10 @@ from simulations.cli import run_simulation
 from simulations.config import load_scenario
 
 GOLDEN = Path(__file__).parent / "golden"
-BASE = ["federation.clients=4", "federation.rounds=2", "train.local_epochs=1"]
+# The recordings trained on the process's threads (engine.threads = 0), before "auto" (one
+# thread for small models) became the default: the round kinds' logic is what they guard.
+BASE = ["federation.clients=4", "federation.rounds=2", "train.local_epochs=1",
+        "engine.threads=0"]
 KINDS = {
     "sync": [],
     "sync_robust": ["aggregation.combine=centered_clip", "aggregation.server_opt=fedavgm",

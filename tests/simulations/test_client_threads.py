@@ -1,6 +1,6 @@
 """engine.threads: the in-process engine trains small-model clients on one intra-op thread
-under "auto", restores the process's setting after each, and leaves it as it is by
-default."""
+under "auto" (a scenario's default), restores the process's setting after each, and leaves
+it as it is under 0 (a grid built without the setting)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from simulations.engine_config import EngineConfig
 def test_defaults_are_one_cpu_no_gpu_and_a_ray_of_its_own():
     config = load_scenario("default")
     assert config["engine"] == {"client_cpus": 1.0, "client_gpus": 0.0, "ray_address": "",
-                                "vectorize": False, "node_cache": 10_000, "threads": 0}
+                                "vectorize": False, "node_cache": 10_000, "threads": "auto"}
     assert EngineConfig(**config["engine"]).backend_config() == {
         "client_resources": {"num_cpus": 1.0, "num_gpus": 0.0}, "init_args": {}}
 
