@@ -21,6 +21,16 @@ WHOLE_PARTITIONS = {"data.client_test_fraction": 0.0}
 WHOLE_PARTITIONS_OVERRIDE = "data.client_test_fraction=0"
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (``VmHWM``: unlike ``ru_maxrss`` it is not
+    inherited from the parent that spawned it)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def log(text: str) -> None:
     """One human-readable line, on stderr (stdout carries the JSON)."""
     print(text, file=sys.stderr, flush=True)

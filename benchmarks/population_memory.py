@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from harness import log
+from harness import log, peak_rss_bytes
 from machine_info import load_average, machine
 
 POPULATIONS = [10_000, 100_000, 1_000_000, 15_000_000]
@@ -37,14 +37,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def child(users: int) -> None:
     """In a fresh interpreter: load, partition, print the figures."""
     from simulations.datasets import load_dataset
@@ -54,7 +46,7 @@ def child(users: int) -> None:
     ds = load_dataset("synthetic", seed=0, test_fraction=0.2, alpha=1.0, beta=1.0,
                       num_users=users)
     parts = partition(ds.y_train, users, kind="natural", seed=0, groups=ds.groups)
-    peak = _peak_rss_bytes()
+    peak = peak_rss_bytes()
     data = sum(a.nbytes for a in (ds.x_train, ds.y_train, ds.x_test, ds.y_test, ds.groups))
     print(json.dumps({"users": users, "samples": len(ds.y_train) + len(ds.y_test),
                       "partitions": len(parts), "data_bytes": data, "rss_before": before,
@@ -105,7 +97,7 @@ def task_child(mode: str, population: int, cohort: int) -> None:
     print(json.dumps({"mode": mode, "population": population, "cohort": cohort,
                       "cohort_samples": samples, "test_samples": test,
                       "on_demand": task.on_demand, "rss_before": before,
-                      "peak_growth": _peak_rss_bytes() - before,
+                      "peak_growth": peak_rss_bytes() - before,
                       "build_check_s": round(t1 - t0, 3), "cohort_s": round(t2 - t1, 3),
                       "test_sample_s": round(t3 - t2, 3)}), flush=True)
 

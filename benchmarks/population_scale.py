@@ -29,18 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, log
+from harness import ROOT, log, peak_rss_bytes
 
 POPULATIONS = [10_000, 100_000, 1_000_000, 15_000_000]
 QUICK_POPULATIONS = [2_000, 200_000]
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def scenario(population: int, cohort: int, rounds: int, threads: str) -> dict[str, Any]:
@@ -78,7 +70,7 @@ def child(population: int, cohort: int, rounds: int, threads: str) -> None:
         raise RuntimeError(f"the run did not complete its {rounds} rounds: {summary}")
     later = [b - a for a, b in itertools.pairwise(marks)]
     print(json.dumps({"population": population, "cohort": cohort, "threads": threads,
-                      "peak_rss_bytes": _peak_rss_bytes(),
+                      "peak_rss_bytes": peak_rss_bytes(),
                       "first_round_s": round(marks[0] - started, 3),
                       "round_s": [round(s, 3) for s in later],
                       "mean_round_s": round(sum(later) / len(later), 3) if later else None,

@@ -156,3 +156,35 @@ def test_flwr_run_joins_the_cluster_through_ray_address_and_tracks(ray_head, tmp
 
 def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+# Every client every round: Flower's engine numbers its nodes otherwise than the in-process
+# one, so drawn cohorts would differ between the two.
+ON_DEMAND = ["data.dataset=synthetic", "data.partitioner=natural", "federation.clients=8",
+             "data.options.num_users=8", "data.options.max_samples_per_user=60",
+             "data.population=on_demand", "model.kind=logreg", "federation.rounds=2",
+             "train.local_epochs=1"]
+
+
+@pytest.mark.slow
+def test_a_population_made_on_demand_is_made_on_the_ray_workers(ray_head, db_url, store,
+                                                                monkeypatch):
+    """On a Ray cluster each sampled client's data is made by the actor that trains it: the
+    driver process makes none (only its central test sample), and the run ends on the
+    in-process engine's model, which makes the clients here."""
+    from simulations import task as task_module
+
+    address, _ = ray_head
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = load_scenario("default", [*ON_DEMAND, f'engine.ray_address="{address}"',
+                                       "engine.client_cpus=1"])
+    spec = task_module.ScenarioTask.from_config(config)
+    made_here = lambda: task_module._population(spec._data_json, spec.seed).cached_bytes  # noqa: E731
+    task_module._population.cache_clear()
+    on_ray = run_simulation(config, engine="flower", db=db_url)
+    assert made_here() == 0
+    local = run_simulation(config, engine="inprocess", db=db_url)
+    assert made_here() > 0
+    assert on_ray["versions"] == local["versions"] == 2
+    np.testing.assert_allclose(store.load_checkpoint(on_ray["run_id"]).params,
+                               store.load_checkpoint(local["run_id"]).params, rtol=0, atol=1e-5)
