@@ -157,14 +157,15 @@ class InProcessGrid(Grid):
             for msg_id in ids:
                 msg = self._queue.pop(msg_id, None)
                 if msg is not None:
-                    with intra_op_threads(client_threads(msg.content, self._threads)):
-                        reply = self._deliver(msg_id, msg)
-                    yield reply
+                    # no local name for the reply: the next client trains while the caller
+                    # may still hold it, and a reply nobody else holds has its buffer reused
+                    yield self._deliver(msg_id, msg)
 
     def _deliver(self, msg_id: str, msg: Message) -> Message:
         context = self._contexts[msg.metadata.dst_node_id]
         try:
-            reply = self._client_app(msg, context)
+            with intra_op_threads(client_threads(msg.content, self._threads)):
+                reply = self._client_app(msg, context)
         except TaskCodeError as exc:  # the user's code: one line, its traceback in the log
             logging.getLogger("fedring").error("client %s: %s", context.node_id, exc,
                                                exc_info=exc)

@@ -53,8 +53,9 @@ def test_resume_restores_the_centre(tmp_path, overrides):
     app = make_server_app(crashing_task, config_from_run_config, config=cfg, store_url=db,
                           pre_combine=omniscient_attack)
     with pytest.raises(Crash):
-        app(InProcessGrid(client_app, 6), Context(run_id=1, node_id=0, node_config={},
-                                                  state=RecordDict(), run_config={}))
+        grid = InProcessGrid(client_app, 6, threads="auto")  # as run_simulation's engine
+        app(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                          run_config={}))
     with Store(db) as store:
         crashed = next(r.run_id for r in store.list_runs() if r.run_id != clean["run_id"])
         ckpt = store.load_checkpoint(crashed)
