@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -257,6 +258,7 @@ class OnDemandPopulation:
         self.hits = self.misses = 0
         self._test: tuple[np.ndarray, np.ndarray] | None = None
         self._scale: float | None = None
+        self._lock = threading.Lock()  # nodes of a concurrent engine ask from threads
 
     def client(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Client ``i``'s training records ``(x, y)`` (its natural partition); the arrays
@@ -264,22 +266,24 @@ class OnDemandPopulation:
         if not 0 <= i < self.num_clients:
             raise ValueError(f"partition-id {i} is out of range: the population has "
                              f"{self.num_clients} clients (0..{self.num_clients - 1})")
-        hit = self._cache.get(i)
-        if hit is not None:
-            self._cache.move_to_end(i)
-            self.hits += 1
-            return hit
-        self.misses += 1
+        with self._lock:
+            hit = self._cache.get(i)
+            if hit is not None:
+                self._cache.move_to_end(i)
+                self.hits += 1
+                return hit
+            self.misses += 1
         x, y = self.source.train(i)
         for a in (x, y):
             a.flags.writeable = False
         size = x.nbytes + y.nbytes
-        if size <= self.cache_bytes:
-            self._cache[i] = (x, y)
-            self.cached_bytes += size
-            while self.cached_bytes > self.cache_bytes:
-                _, (ox, oy) = self._cache.popitem(last=False)
-                self.cached_bytes -= ox.nbytes + oy.nbytes
+        with self._lock:
+            if size <= self.cache_bytes and i not in self._cache:
+                self._cache[i] = (x, y)
+                self.cached_bytes += size
+                while self.cached_bytes > self.cache_bytes:
+                    _, (ox, oy) = self._cache.popitem(last=False)
+                    self.cached_bytes -= ox.nbytes + oy.nbytes
         return x, y
 
     def test_sample(self) -> tuple[np.ndarray, np.ndarray]:
