@@ -461,15 +461,16 @@ def family(rank: int, n: int) -> dict[str, object]:
             "peers": _peers("round_robin")}
 
 
-def _peers(alg: str, length: int = 840 * 7) -> list[tuple[str, list[int], list[int]]]:
-    """(step, send peers, receive peers) of every transfer this rank posts in one
-    allreduce of ``length`` float32 (whole messages)."""
-    posts: list[tuple[str, list[int], list[int]]] = []
+def _posted(alg: str, length: int = 840 * 7) -> list[tuple[str, list[tuple[int, int]],
+                                                         list[int]]]:
+    """(step, [(send peer, elements)], receive peers) of every transfer this rank posts in
+    one allreduce of ``length`` float32 (whole messages)."""
+    posts: list[tuple[str, list[tuple[int, int]], list[int]]] = []
     post = Channel.post
 
     def recording(self: Channel, step: str, sends: Sequence = (),
                   recvs: Sequence = ()) -> Pending:
-        posts.append((step, [p for _, p in sends], [p for _, p in recvs]))
+        posts.append((step, [(p, t.numel()) for t, p in sends], [p for _, p in recvs]))
         return post(self, step, sends, recvs)
 
     Channel.post = recording  # type: ignore[method-assign]
@@ -478,6 +479,11 @@ def _peers(alg: str, length: int = 840 * 7) -> list[tuple[str, list[int], list[i
     finally:
         Channel.post = post  # type: ignore[method-assign]
     return posts
+
+
+def _peers(alg: str) -> list[tuple[str, list[int], list[int]]]:
+    """(step, send peers, receive peers) of every transfer this rank posts."""
+    return [(step, [p for p, _ in sends], recvs) for step, sends, recvs in _posted(alg)]
 
 
 SEGMENT_CAP = 1 << 16  # bytes: the cap _segments puts in place of the socket's
@@ -520,20 +526,6 @@ def _segments(alg: str) -> tuple[int, int]:
     return biggest, largest
 
 
-def _elements_sent(alg: str, length: int = 840 * 7) -> int:
-    """Elements this rank sends in one allreduce of ``length`` float32 (whole messages)."""
-    sent = 0
-    post = Channel.post
-
-    def counting(self: Channel, step: str, sends: Sequence = (),
-                 recvs: Sequence = ()) -> Pending:
-        nonlocal sent
-        sent += sum(t.numel() for t, _ in sends)
-        return post(self, step, sends, recvs)
-
-    Channel.post = counting  # type: ignore[method-assign]
-    try:
-        allreduce(torch.ones(length), algorithm=alg, segment_bytes=None)
-    finally:
-        Channel.post = post  # type: ignore[method-assign]
-    return sent
+def _elements_sent(alg: str) -> int:
+    """Elements this rank sends in one allreduce (whole messages)."""
+    return sum(n for _, sends, _ in _posted(alg) for _, n in sends)
