@@ -5,9 +5,12 @@ after every pull from the SuperLink that found no message, and waits for the Cli
 reply in 0.5 s steps. On a fast link most of a round is spent in those sleeps. This
 wrapper runs the unmodified ``flower-supernode`` command with the loop's ``time.sleep``
 replaced: the 3 s idle sleep becomes ``--pull-interval`` (a request to the SuperLink per
-interval while idle) and the 0.5 s steps become ``--reply-interval`` (a look at local
-state only); a message object not yet on the SuperLink is retried after 5 reply
-intervals instead of 1 s. Every other argument goes to ``flower-supernode`` unchanged::
+interval while idle), or ``--busy-pull-interval`` for ``--busy-window`` seconds after the
+node last waited for a reply (the next message of a multi-stage round, such as secure
+aggregation's, comes soon), and the 0.5 s steps become ``--reply-interval`` (a look at
+local state only); a message object not yet on the SuperLink is retried after 5 reply
+intervals instead of 1 s, at most every ``OBJECT_RETRY_CAP_S``. Every other argument
+goes to ``flower-supernode`` unchanged::
 
     python -m client.supernode --pull-interval 0.2 -- --superlink 10.0.0.1:9093 ...
 """
@@ -26,28 +29,41 @@ from client.protocol.flower_compat import (
     shorten_supernode_waits,
 )
 
+OBJECT_RETRY_CAP_S = 0.2  # the longest wait between pulls of a message's missing object
+
 
 def make_sleep(pull_s: float, reply_s: float,
-               sleep: Callable[[float], None] = time.sleep) -> Callable[[float], None]:
-    """A ``time.sleep`` that maps Flower's idle wait to ``pull_s`` and its reply waits
-    to ``reply_s`` (any other duration is kept)."""
+               sleep: Callable[[float], None] = time.sleep, *,
+               busy_pull_s: float | None = None, busy_window_s: float = 0.0,
+               clock: Callable[[], float] = time.monotonic) -> Callable[[float], None]:
+    """A ``time.sleep`` that maps Flower's idle wait to ``pull_s`` (``busy_pull_s`` within
+    ``busy_window_s`` seconds of the last reply wait) and its reply waits to ``reply_s``
+    (any other duration is kept)."""
+    last_reply_wait = -float("inf")
 
     def patched(seconds: float) -> None:
+        nonlocal last_reply_wait
         if seconds == FLOWER_IDLE_SLEEP_S:
-            seconds = pull_s
+            busy = busy_pull_s is not None and clock() - last_reply_wait < busy_window_s
+            seconds = busy_pull_s if busy and busy_pull_s is not None else pull_s
         elif seconds == FLOWER_REPLY_SLEEP_S:
+            last_reply_wait = clock()
             seconds = reply_s
         sleep(seconds)
 
     return patched
 
 
-def shorten_waits(pull_s: float, reply_s: float) -> None:
+def shorten_waits(pull_s: float, reply_s: float, *, busy_pull_s: float | None = None,
+                  busy_window_s: float = 0.0) -> None:
     """Give the SuperNode loop a sleep that is shortened (``make_sleep``)."""
     # A message can be pulled before all its objects are on the SuperLink; Flower retries
-    # an object after 1 s, doubling. Retry after the reply interval instead.
-    shorten_supernode_waits(make_sleep(pull_s, reply_s), initial_backoff=reply_s * 5,
-                            backoff_cap=1.0)
+    # an object after 1 s, doubling up to 10 s. Retry after 5 reply intervals instead.
+    initial = reply_s * 5
+    shorten_supernode_waits(make_sleep(pull_s, reply_s, busy_pull_s=busy_pull_s,
+                                       busy_window_s=busy_window_s),
+                            initial_backoff=initial,
+                            backoff_cap=max(initial, OBJECT_RETRY_CAP_S))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,10 +75,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reply-interval", type=float, default=0.01,
                         help="seconds between looks for the ClientApp's reply "
                              f"(Flower: {FLOWER_REPLY_SLEEP_S:g})")
+    parser.add_argument("--busy-pull-interval", type=float, default=0.05,
+                        help="seconds between pulls within --busy-window of a reply")
+    parser.add_argument("--busy-window", type=float, default=3.0,
+                        help="seconds after a reply during which the node pulls every "
+                             "--busy-pull-interval (0: always --pull-interval)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if args.pull_interval <= 0 or args.reply_interval <= 0:
-        parser.error("--pull-interval and --reply-interval must be > 0")
-    shorten_waits(args.pull_interval, args.reply_interval)
+    if min(args.pull_interval, args.reply_interval, args.busy_pull_interval) <= 0:
+        parser.error("--pull-interval, --busy-pull-interval and --reply-interval must be > 0")
+    if args.busy_window < 0:
+        parser.error("--busy-window must be >= 0")
+    shorten_waits(args.pull_interval, args.reply_interval,
+                  busy_pull_s=args.busy_pull_interval, busy_window_s=args.busy_window)
     run_flower_supernode(rest[1:] if rest[:1] == ["--"] else rest,
                          colored=sys.stderr.isatty())
 

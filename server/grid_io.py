@@ -5,6 +5,10 @@ replies of the messages still pending, in push order, handing each over as it is
 and sleep ``poll`` seconds between pulls. The in-process engine runs a client only when
 its reply is pulled, in the order of the ids asked for, so that order is the order the
 clients run in; its first pull answers every id, so it never sleeps.
+
+In a deployment the SuperLink lists a reply before all its objects are there; the Grid's
+retry of such an object starts at ``poll`` seconds (Flower: 1 s, doubling), so a pull
+that catches a reply half pushed does not stall the round.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import Callable, Iterable, Set
 
 from flwr.app import Message
 from flwr.serverapp import Grid
+
+from client.protocol.flower_compat import shorten_grid_object_retries
+
+OBJECT_RETRY_CAP_S = 0.2  # the longest wait between retries of a reply's missing object
 
 
 def push(grid: Grid, messages: list[Message]) -> dict[str, int]:
@@ -38,6 +46,7 @@ def collect(grid: Grid, ids: Iterable[str], *, timeout: float, poll: float,
     """
     order = list(ids)
     pending = set(order)
+    shorten_grid_object_retries(poll, max(poll, OBJECT_RETRY_CAP_S))
     deadline = time.monotonic() + timeout
     while pending:
         for reply in grid.pull_messages([i for i in order if i in pending]):

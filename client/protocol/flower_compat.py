@@ -28,8 +28,8 @@ __all__ = [
     "pull_task_input", "push_reply", "push_task_output", "read_flower_config",
     "record_entries", "record_from_entries", "register_node", "run_flower_supernode",
     "run_simulation", "runtime_client", "set_message_id", "set_sender", "set_task_identity",
-    "shorten_supernode_waits", "start_parent_process_monitor", "task_heartbeat_request",
-    "write_flower_config", "write_superlink_connection",
+    "shorten_grid_object_retries", "shorten_supernode_waits", "start_parent_process_monitor",
+    "task_heartbeat_request", "write_flower_config", "write_superlink_connection",
 ]
 
 R = TypeVar("R", MetricRecord, ArrayRecord, RecordDict)
@@ -295,6 +295,27 @@ def shorten_supernode_waits(sleep: Callable[[float], None], initial_backoff: flo
     loop.time = shim  # type: ignore[attr-defined]
     loop.pull_objects = functools.partial(  # type: ignore[attr-defined]
         loop.pull_objects, initial_backoff=initial_backoff, backoff_cap=backoff_cap)
+
+
+def shorten_grid_object_retries(initial_backoff: float, backoff_cap: float) -> bool:
+    """Make a deployment's Grid retry a reply's object not yet on the SuperLink after
+    ``initial_backoff`` (doubling up to ``backoff_cap``) instead of 1 s (up to 10 s).
+
+    The SuperLink lists a reply as soon as the SuperNode has sent its head, before the
+    SuperNode has pushed its objects, so a pull can catch it half there. Only the HTTP
+    Grid (``flwr-serverapp``'s) calls the patched function; when its module is not loaded
+    nothing is patched and False is returned. Relies on ``flwr.superlink.grid.http_grid``
+    calling its module-level ``pull_objects`` (Flower 1.41)."""
+    import functools
+    import sys
+
+    grid = sys.modules.get("flwr.superlink.grid.http_grid")
+    if grid is None:
+        return False
+    pull = getattr(grid.pull_objects, "func", grid.pull_objects)  # once patched: the original
+    grid.pull_objects = functools.partial(  # type: ignore[attr-defined]
+        pull, initial_backoff=initial_backoff, backoff_cap=backoff_cap)
+    return True
 
 
 def run_flower_supernode(argv: list[str], *, colored: bool) -> None:

@@ -79,7 +79,7 @@ def test_shorten_waits_patches_the_supernode_loop() -> None:
     try:
         shorten_waits(0.2, 0.01)
         assert loop.time is not real_time and loop.time.monotonic is real_time.monotonic
-        assert loop.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 1.0}
+        assert loop.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 0.2}
     finally:
         loop.time, loop.pull_objects = saved_time, saved_pull
 

@@ -1,0 +1,121 @@
+"""The waits a deployment shortens, on Flower's own functions and without processes: the
+SuperNode's pulls right after a reply, the Grid's retry of a reply's object not yet on
+the SuperLink, and the SuperLink's SuperExec poll."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pytest
+
+from client.protocol import flower_compat
+from client.supernode import FLOWER_IDLE_SLEEP_S, FLOWER_REPLY_SLEEP_S, make_sleep
+from server.grid_io import OBJECT_RETRY_CAP_S, collect
+from simulations import deploy
+from simulations.deploy.commands import MODES, command_env
+
+
+def test_supernode_pulls_fast_for_a_window_after_a_reply_wait() -> None:
+    now, slept = [0.0], []
+
+    def at(t: float, seconds: float) -> None:
+        now[0] = t
+        sleep(seconds)
+
+    sleep = make_sleep(0.2, 0.01, slept.append, busy_pull_s=0.05, busy_window_s=3.0,
+                       clock=lambda: now[0])
+    at(1.0, FLOWER_IDLE_SLEEP_S)  # no reply yet: idle
+    at(10.0, FLOWER_REPLY_SLEEP_S)
+    at(10.5, FLOWER_IDLE_SLEEP_S)  # waiting for the next stage
+    at(12.9, FLOWER_IDLE_SLEEP_S)
+    at(13.1, FLOWER_IDLE_SLEEP_S)  # the window is over
+    at(20.0, FLOWER_REPLY_SLEEP_S)
+    at(20.0, FLOWER_IDLE_SLEEP_S)
+    assert slept == [0.2, 0.01, 0.05, 0.05, 0.2, 0.01, 0.05]
+
+
+def test_supernode_without_a_window_always_pulls_at_the_idle_interval() -> None:
+    slept: list[float] = []
+    sleep = make_sleep(0.2, 0.01, slept.append, busy_pull_s=0.05, busy_window_s=0.0)
+    for s in (FLOWER_REPLY_SLEEP_S, FLOWER_IDLE_SLEEP_S):
+        sleep(s)
+    assert slept == [0.01, 0.2]
+
+
+def test_supernode_cli_rejects_bad_waits(capsys) -> None:
+    from client.supernode import main
+
+    for bad in (["--busy-pull-interval", "0"], ["--busy-window", "-1"]):
+        with pytest.raises(SystemExit):
+            main([*bad, "--", "--insecure"])
+    assert "--busy-window must be >= 0" in capsys.readouterr().err
+
+
+class _Waits:
+    """``threading.Event`` for Flower's object pulls: records each backoff, never sleeps."""
+
+    waits: ClassVar[list[float]] = []
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+
+    def wait(self, seconds: float) -> bool:
+        _Waits.waits.append(seconds)
+        return self._set
+
+
+def _pull_twice_unavailable(monkeypatch) -> list[float]:
+    """Backoffs of the Grid's ``pull_objects`` for an object missing on two pulls."""
+    from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+    from flwr.superlink.grid import http_grid
+
+    monkeypatch.setattr(inflatable_utils, "threading",
+                        SimpleNamespace(Event=_Waits, Lock=threading.Lock))
+    monkeypatch.setattr(inflatable_utils.random, "uniform", lambda a, b: 0.0)
+    _Waits.waits = []
+    tries = []
+
+    def pull(object_id: str) -> bytes:
+        tries.append(object_id)
+        if len(tries) <= 2:
+            raise ObjectUnavailableError(object_id)
+        return b"content"
+
+    assert http_grid.pull_objects(["a" * 64], pull) == {"a" * 64: b"content"}
+    return _Waits.waits
+
+
+def test_grid_retries_a_missing_reply_object_after_the_poll(monkeypatch) -> None:
+    from flwr.superlink.grid import http_grid
+
+    monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)  # restored after
+    assert _pull_twice_unavailable(monkeypatch) == [1.0, 2.0]  # Flower's: 1 s, doubling
+    grid = SimpleNamespace(pull_messages=lambda ids: [])
+    assert collect(grid, ["m1"], timeout=0.0, poll=0.05, on_reply=print) == ["m1"]
+    assert _pull_twice_unavailable(monkeypatch) == [0.05, 0.1]
+    collect(grid, ["m1"], timeout=0.0, poll=0.15, on_reply=print)  # patched anew, not twice
+    assert http_grid.pull_objects.keywords == {"initial_backoff": 0.15,
+                                               "backoff_cap": OBJECT_RETRY_CAP_S}
+    assert _pull_twice_unavailable(monkeypatch) == [0.15, 0.2]
+
+
+def test_no_grid_module_no_patch(monkeypatch) -> None:
+    monkeypatch.delitem(sys.modules, "flwr.superlink.grid.http_grid")
+    assert flower_compat.shorten_grid_object_retries(0.05, 0.2) is False
+
+
+def test_superexec_poll_per_mode(monkeypatch) -> None:
+    monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
+    polls = {m: command_env(deploy.Options(mode=m)).get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL")
+             for m in MODES}
+    assert polls == {"fedring": "0.5", "warm": "0.1", "fastpoll": "0.1", "flower": None}
