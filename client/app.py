@@ -51,7 +51,7 @@ from client.training import (
     resolve_device,
     train,
 )
-from client.update_pipeline import PostTraining, fedring_pipeline
+from client.update_pipeline import ClientPipeline, PostTraining, fedring_pipeline
 from privacy.secagg import ProtocolError
 
 MESSAGE_REFUSED = 400  # Error code of the reply to a server message the client cannot use
@@ -84,6 +84,8 @@ class _Worker:
     local: list[tuple[str, slice]] = field(default_factory=list)  # what FedBN keeps
     batch_norm: bool = False  # whether the model has batch norm (found once)
     lent: bool = False  # the model's storage is a reply's delta (made there in place)
+    steps: ClientPipeline | None = None  # the last post-training steps built, and the
+    steps_key: tuple[Any, ...] = ()  # settings they were built from (``post_training``)
 
     def __post_init__(self) -> None:
         self.local = local_state.local_spans(self.model)
@@ -106,6 +108,23 @@ class _Worker:
             flatten_model(views, layout, out=self.base_flat)
             self.base_record, self.base_views = record, views
         return self.base_views, self.base_flat
+
+    def post_training(self, config: ConfigRecord, fedbn: bool) -> ClientPipeline:
+        """The post-training steps of ``config``, built again only when the settings they
+        are built from change: every client of a round gets the same, and the centre of
+        client-side clipping is then read once a round, not once a client. Built afresh
+        each time under local DP, whose noise generator is this process's own."""
+        momentum = config.get(ConfigKey.CLIENT_MOMENTUM)
+        radius = config.get(ConfigKey.CLIP_RADIUS)
+        key = (fedbn, type(momentum), momentum, type(radius), radius,
+               config.get(ConfigKey.CENTER))  # (the centre's bytes: compared by identity)
+        if self.steps is not None and self.task.local_dp is None and _same(key, self.steps_key):
+            return self.steps
+        self.steps = None  # (a malformed setting raises below: nothing is kept)
+        self.steps = fedring_pipeline(self.task, config, local=self.local if fedbn else None,
+                                      dim=self.model.dim)
+        self.steps_key = key
+        return self.steps
 
     def writable_model(self, *, into_reply: bool = False) -> FlatModel:
         """The model, ready to be written: moved out of a buffer it lent to a reply (which
@@ -266,8 +285,7 @@ class FedringClient:
         else:
             delta = worker.replies.delta(model.dim) if in_process else worker.delta
         np.subtract(trained, base_flat, out=delta)
-        steps = fedring_pipeline(worker.task, config, local=worker.local if fedbn else None,
-                                 dim=model.dim)
+        steps = worker.post_training(config, fedbn)
         done = steps.run(PostTraining(delta, values, partition_id=pid, seed=seed,
                                       state=context.state))
         return LocalUpdate(delta=done.delta, metrics=metric_record(values), config=config,
@@ -417,6 +435,12 @@ def make_client_app(task_factory: TaskFactory, resolve_spec: SpecResolver) -> Cl
     app.evaluate()(client.evaluate)
     register_secagg(app, client.local_update, client.evaluation)
     return app
+
+
+def _same(key: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
+    """Whether two ``_Worker.post_training`` keys are the same settings: equal entries,
+    and the same centre object (bytes shared by every message of a round)."""
+    return len(key) == len(other) and key[-1] is other[-1] and key[:-1] == other[:-1]
 
 
 def _flag(config: ConfigRecord, key: str) -> bool:
