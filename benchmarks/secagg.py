@@ -149,7 +149,7 @@ class Timed:
 def forget_memos(*, graphs: bool = True) -> None:
     """Empty the process-wide memos that clients share in one process: the malicious mode's
     verified signatures and, with ``graphs``, the neighbour graphs (both modes')."""
-    malicious._VERIFIED.clear()
+    malicious.forget()
     if graphs:
         malicious.derived_neighbours.cache_clear()
         graph._regular_graph.cache_clear()

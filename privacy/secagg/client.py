@@ -52,7 +52,7 @@ from privacy.secagg.shamir import SHARE_BYTES, split_secret
 from privacy.secagg.stages import Stage
 
 _STATE_MAGIC = b"SC"
-_STATE_VERSION = 3
+_STATE_VERSION = 4
 _STATE_HEAD = struct.Struct("<2sBBQBQI")
 _BLOB = struct.Struct("<I")
 _PEER = struct.Struct(f"<Q{kx.KEY_BYTES}s{kx.KEY_BYTES}s")  # id, share key to us, pair seed
@@ -96,6 +96,7 @@ class SecAggClient:
         self.security = security
         self._listed: tuple[tuple[int, bytes], ...] = ()  # malicious: the advertisement list
         self._digest = b""  # and its digest
+        self._own_digest = b""  # malicious: this client's advertisement digest, until listed
         self._signed_set: tuple[int, ...] = ()  # the survivor set this client signed
         self.expected_run_id = run_id
         self.expected_round_id = round_id
@@ -153,22 +154,25 @@ class SecAggClient:
         self._c_sk, self._s_sk = kx.new_private_key(), kx.new_private_key()
         self._b_seed = os.urandom(32)
         self._setup_raw = bytes(payload)
+        advert, self._own_digest = self._advert()
         self.stage = Stage.ADVERTISE_KEYS
-        return msg.encode_advertise_keys(self._header(MsgType.ADVERTISE_KEYS), self._advert())
+        return msg.encode_advertise_keys(self._header(MsgType.ADVERTISE_KEYS), advert)
 
-    def _advert(self) -> msg.AdvertiseKeys:
-        """This round's key advertisement (signed in the malicious mode: Ed25519 signatures
-        are deterministic, so it is the same whenever rebuilt)."""
+    def _advert(self) -> tuple[msg.AdvertiseKeys, bytes]:
+        """This round's key advertisement (signed in the malicious mode) and its digest, the
+        entry the advertisement list must hold for this client (b"" if unsigned)."""
         assert self._c_sk is not None and self._s_sk is not None
         c_pk, s_pk = kx.public_bytes(self._c_sk), kx.public_bytes(self._s_sk)
         commitment = kx.commit(self._b_seed)
         cfg = self._cfg
         if not cfg.malicious or self.identity is None:
-            return msg.AdvertiseKeys(c_pk, s_pk, commitment)
+            return msg.AdvertiseKeys(c_pk, s_pk, commitment), b""
         ident = self.identity.public
-        signature = self.identity.sign(mal.advert_message(
-            cfg.run_id, cfg.round_id, self.client_id, c_pk, s_pk, commitment, ident))
-        return msg.AdvertiseKeys(c_pk, s_pk, commitment, ident, signature)
+        message = mal.advert_message(cfg.run_id, cfg.round_id, self.client_id, c_pk, s_pk,
+                                     commitment, ident)
+        signature = self.identity.sign(message)
+        return (msg.AdvertiseKeys(c_pk, s_pk, commitment, ident, signature),
+                mal.advert_digest(message, signature))
 
     def _on_public_keys(self, payload: bytes) -> bytes:
         self._require_stage(Stage.ADVERTISE_KEYS, "PUBLIC_KEYS")
@@ -248,10 +252,10 @@ class SecAggClient:
         after = (Stage.CONSISTENCY_CHECK if malicious else Stage.MASKED_INPUT, Stage.UNMASKING)
         if self.stage not in after:
             raise ProtocolError(f"UNMASK_REQUEST not expected after stage {self.stage.name}")
-        h, m = msg.decode_unmask_request(payload, signed=malicious)
+        h, m, block = msg.decode_unmask_head(payload, signed=malicious)
         self._check_header(h)
         if malicious:
-            self._check_signed_request(m)
+            self._check_signed_request(m, block)
         survivors, dropped = set(m.survivors), set(m.dropped)
         few = self.policy.survivors_violation(len(survivors - {self.client_id}) + 1)
         if few is not None:  # this client sees its surviving neighbours, and itself
@@ -318,12 +322,10 @@ class SecAggClient:
         listed = dict(m.advertised)
         if not listed.keys() <= cfg.positions.keys():
             raise ProtocolError("advertisement list names a client outside the participants")
-        own = self._advert()
-        own_message = mal.advert_message(cfg.run_id, cfg.round_id, self.client_id, own.c_pk,
-                                         own.s_pk, own.b_commitment, own.identity)
-        if listed.get(self.client_id) != mal.advert_digest(own_message, own.signature):
+        if not self._own_digest or listed.get(self.client_id) != self._own_digest:
             raise ProtocolError("advertisement list lacks this client's own advertisement")
-        used = {own.identity: self.client_id}
+        assert self.identity is not None
+        used = {self.identity.public: self.client_id}
         for e in m.entries:
             self._check_advert(e, listed, used, signature=True)
         digest = mal.list_digest(cfg.run_id, cfg.round_id, m.advertised)
@@ -368,18 +370,41 @@ class SecAggClient:
             raise ProtocolError("this client has fewer than t neighbours in the derived graph")
         return kept[self.client_id]
 
-    def _check_signed_request(self, m: msg.UnmaskRequest) -> None:
-        """Malicious mode: a quorum of valid signatures on the set this client signed, from
-        distinct trusted members; survivors in it, dropped peers outside it."""
+    def _check_signed_request(self, m: msg.UnmaskRequest, block: bytes) -> None:
+        """Malicious mode: a quorum of valid signatures (``block``, undecoded) on the set this
+        client signed, from distinct trusted members; survivors in it, dropped peers
+        outside it. A block that passed these checks for the same message, list and
+        trusted keys in this process is not checked again
+        (:func:`~privacy.secagg.malicious.remember_signers`)."""
         cfg = self._cfg
         assert self.trusted is not None
         signed = set(self._signed_set)
-        listed = dict(self._listed)
         message = mal.consistency_message(cfg.run_id, cfg.round_id, self._signed_set,
                                           self._digest)
         need = mal.quorum(len(self._listed), cfg.t, self.policy.corrupt_fraction)
+        key = (block, message, self._listed, self.trusted.keys)
+        count = mal.remembered_signers(key)
+        if count is None:
+            count = self._count_signers(msg.decode_signed_sets(block), signed, message)
+            mal.remember_signers(key, count)
+        if count < need:
+            raise ProtocolError(f"unmask request refused: {count} consistency "
+                                f"signatures, {need} needed")
+        if not set(m.survivors) <= signed:
+            raise ProtocolError("unmask request refused: it lists survivors outside the "
+                                "signed survivor set")
+        if set(m.dropped) & signed:
+            raise ProtocolError("unmask request refused: it lists as dropped a client of the "
+                                "signed survivor set")
+
+    def _count_signers(self, signatures: tuple[msg.SignedSet, ...], signed: set[int],
+                       message: bytes) -> int:
+        """How many distinct trusted identities of listed members of ``signed`` signed
+        ``message``; ProtocolError at the first signature that is not one of them."""
+        assert self.trusted is not None
+        listed = dict(self._listed)
         identities: set[bytes] = set()
-        for x in m.signatures:
+        for x in signatures:
             e = x.signer
             if e.client_id not in signed:
                 raise ProtocolError(f"unmask request refused: signer {e.client_id} is not in "
@@ -393,15 +418,7 @@ class SecAggClient:
                 raise ProtocolError(f"unmask request refused: client {e.client_id}'s signature "
                                     "is not on the survivor set this client signed")
             identities.add(e.identity)
-        if len(identities) < need:
-            raise ProtocolError(f"unmask request refused: {len(identities)} consistency "
-                                f"signatures, {need} needed")
-        if not set(m.survivors) <= signed:
-            raise ProtocolError("unmask request refused: it lists survivors outside the "
-                                "signed survivor set")
-        if set(m.dropped) & signed:
-            raise ProtocolError("unmask request refused: it lists as dropped a client of the "
-                                "signed survivor set")
+        return len(identities)
 
     def _load_public_keys(self, h: Header, m: msg.PublicKeys,
                           neighbours: frozenset[int]) -> dict[int, PeerKeys]:
@@ -490,8 +507,9 @@ class SecAggClient:
         Layout: a header, then four length-prefixed blobs (the SETUP message; the
         private keys and b_u's seed until PUBLIC_KEYS, then the seed alone until
         masking; per announced neighbour its share key and pair seed; per held
-        peer its two shares; in the malicious mode also the advertisement list and the
-        signed survivor set), then the shares revealed so far.
+        peer its two shares; in the malicious mode also the advertisement list, or this
+        client's own entry until the list comes, and the signed survivor set), then the
+        shares revealed so far.
         """
         flags = (self.expected_run_id is not None) | (self.expected_round_id is not None) << 1
         head = _STATE_HEAD.pack(
@@ -510,7 +528,9 @@ class SecAggClient:
         held = b"".join(_HELD.pack(v, *p) for v, p in sorted(self._held.items()))
         blobs = [self._setup_raw, secrets, peers, held]
         if self.config is not None and self.config.malicious:
-            blobs.append(_pack_listed(self._listed))
+            own = ((self.client_id, self._own_digest),)  # until the list comes
+            blobs.append(_pack_listed(own if self.stage == Stage.ADVERTISE_KEYS
+                                      else self._listed))
             blobs.append(struct.pack(f"<{len(self._signed_set)}Q", *self._signed_set))
         parts = [head] + [_BLOB.pack(len(b)) + b for b in blobs]
         parts.append(_BLOB.pack(len(self._revealed)))
@@ -595,8 +615,15 @@ class SecAggClient:
 
 
     def _restore_malicious(self, listed: bytes, signed: bytes) -> None:
-        """The advertisement list (and the neighbours derived from it) and the signed set."""
-        self._listed = _unpack_listed(bytes(listed))
+        """The advertisement list (and the neighbours derived from it), or until it comes
+        this client's own entry; and the signed set."""
+        entries = _unpack_listed(bytes(listed))
+        if self.stage == Stage.ADVERTISE_KEYS:
+            if [c for c, _ in entries] != [self.client_id]:
+                raise ProtocolError("client state lacks this client's advertisement digest")
+            self._own_digest = entries[0][1]
+            entries = ()
+        self._listed = entries
         if self._listed:
             cfg = self._cfg
             self._digest = mal.list_digest(cfg.run_id, cfg.round_id, self._listed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -59,9 +60,10 @@ class Identity:
     def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
 
-    @property
+    @cached_property
     def public(self) -> bytes:
-        """The 32-byte raw public key peers trust."""
+        """The 32-byte raw public key peers trust (derived once: a node asks on every
+        message)."""
         return raw_public(self.key.public_key())
 
     def sign(self, message: bytes) -> bytes:

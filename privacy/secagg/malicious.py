@@ -49,6 +49,31 @@ _MAX_SEED_COUNTER = 64
 _ENTRY = struct.Struct(f"<Q{DIGEST_BYTES}s")
 _VERIFIED: dict[tuple[bytes, bytes, bytes], None] = {}  # signatures found valid
 _MAX_VERIFIED = 1 << 14
+_SIGNERS: dict[tuple[object, ...], int] = {}  # signature blocks found valid: their signers
+_MAX_SIGNERS = 64
+
+
+def forget() -> None:
+    """Empty the memos of valid signatures and signature blocks (what a client in a
+    process of its own starts with)."""
+    _VERIFIED.clear()
+    _SIGNERS.clear()
+
+
+def remembered_signers(key: tuple[object, ...]) -> int | None:
+    """The count :func:`remember_signers` stored for exactly ``key``, if any."""
+    return _SIGNERS.get(key)
+
+
+def remember_signers(key: tuple[object, ...], count: int) -> None:
+    """Remember that an unmask request's signature block passed every check a client
+    makes of it, with ``count`` distinct valid signers. ``key`` must hold every input of
+    those checks (the block's exact bytes, the signed message, the advertisement list,
+    the trusted keys): the clients of a round in one process get the same block, so the
+    first one checks it and the others find its result, as with :func:`verify`."""
+    if len(_SIGNERS) >= _MAX_SIGNERS:
+        _SIGNERS.pop(next(iter(_SIGNERS)), None)
+    _SIGNERS[key] = count
 
 
 def verify(trusted: TrustedKeys, public: bytes, signature: bytes, message: bytes) -> bool:

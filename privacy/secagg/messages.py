@@ -79,6 +79,7 @@ _SIGNED_PEER = struct.Struct(f"<Q{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}s"
                              f"{PUBLIC_KEY_BYTES}s{SIGNATURE_BYTES}s")
 _LIST_ENTRY = struct.Struct(f"<Q{KEY_BYTES}s")
 _SIG = struct.Struct(f"<{SIGNATURE_BYTES}s")
+_SIGNED_SET = struct.Struct(_SIGNED_PEER.format + f"{SIGNATURE_BYTES}s")  # + consistency sig.
 _MODE_MALICIOUS = 1
 
 T = TypeVar("T")
@@ -207,6 +208,14 @@ class _Reader:
             raise ProtocolError(f"count {m} does not fit the message length")
         return m
 
+    def records(self, st: struct.Struct) -> list[tuple]:
+        """A count, then that many fixed-size records, unpacked in one pass."""
+        m = self.count(st.size)
+        end = self.pos + m * st.size
+        out = list(st.iter_unpack(self.data[self.pos : end]))
+        self.pos = end
+        return out
+
     def ids(self, m: int) -> tuple[int, ...]:
         out = self.unpack(struct.Struct(f"<{m}Q"))
         if len(set(out)) != m:
@@ -304,15 +313,22 @@ def _pack_signed_peer(e: PeerKeys) -> bytes:
                              e.signature)
 
 
-def encode_public_keys(h: Header, m: PublicKeys, *, signed: bool = False) -> bytes:
+def encode_public_keys(h: Header, m: PublicKeys, *, signed: bool = False,
+                       listed: bytes | None = None) -> bytes:
+    """``listed``: :func:`encode_list` of ``m.advertised`` already made (the same for every
+    recipient), used instead of encoding the list again."""
     parts = [_header_bytes(h), _U32.pack(len(m.entries))]
     if not signed:
         parts += [_PEER_KEYS.pack(e.client_id, e.c_pk, e.s_pk) for e in m.entries]
         return b"".join(parts)
     parts += [_pack_signed_peer(e) for e in m.entries]
-    parts.append(_U32.pack(len(m.advertised)))
-    parts += [_LIST_ENTRY.pack(c, d) for c, d in m.advertised]
+    parts.append(encode_list(m.advertised) if listed is None else listed)
     return b"".join(parts)
+
+
+def encode_list(advertised: tuple[tuple[int, bytes], ...]) -> bytes:
+    """The advertisement list as PUBLIC_KEYS carries it (malicious mode)."""
+    return _U32.pack(len(advertised)) + b"".join(_LIST_ENTRY.pack(c, d) for c, d in advertised)
 
 
 def decode_public_keys(data: bytes, *, signed: bool = False) -> tuple[Header, PublicKeys]:
@@ -324,9 +340,8 @@ def decode_public_keys(data: bytes, *, signed: bool = False) -> tuple[Header, Pu
         r.end()
         _unique_peers(tuple((e.client_id, e) for e in entries))
         return h, PublicKeys(entries)
-    entries = tuple(PeerKeys(*r.unpack(_SIGNED_PEER))
-                    for _ in range(r.count(_SIGNED_PEER.size)))
-    listed = tuple(r.unpack(_LIST_ENTRY) for _ in range(r.count(_LIST_ENTRY.size)))
+    entries = tuple(PeerKeys(*e) for e in r.records(_SIGNED_PEER))
+    listed = tuple(r.records(_LIST_ENTRY))
     r.end()
     _unique_peers(tuple((e.client_id, e) for e in entries))
     if any(a[0] >= b[0] for a, b in pairwise(listed)):
@@ -437,12 +452,15 @@ def decode_masked_input(data: bytes) -> tuple[Header, MaskedInput]:
 # --- UNMASK_REQUEST --------------------------------------------------------
 
 
-def encode_unmask_request(h: Header, m: UnmaskRequest, *, signed: bool = False) -> bytes:
+def encode_unmask_request(h: Header, m: UnmaskRequest, *, signed: bool = False,
+                          block: bytes | None = None) -> bytes:
+    """``block``: :func:`encode_signed_sets` of ``m.signatures`` already made (the same for
+    every survivor), used instead of encoding them again."""
     s, d = len(m.survivors), len(m.dropped)
     ids = struct.pack(f"<{s + d}Q", *m.survivors, *m.dropped)
     out = _header_bytes(h) + _REQUEST_COUNTS.pack(s, d) + ids
     if signed:
-        out += encode_signed_sets(m.signatures)
+        out += encode_signed_sets(m.signatures) if block is None else block
     return out
 
 
@@ -454,6 +472,17 @@ def encode_signed_sets(signatures: tuple[SignedSet, ...]) -> bytes:
 
 
 def decode_unmask_request(data: bytes, *, signed: bool = False) -> tuple[Header, UnmaskRequest]:
+    h, m, block = decode_unmask_head(data, signed=signed)
+    if signed:
+        m = UnmaskRequest(m.survivors, m.dropped, decode_signed_sets(block))
+    return h, m
+
+
+def decode_unmask_head(data: bytes, *, signed: bool = False
+                       ) -> tuple[Header, UnmaskRequest, bytes]:
+    """An UNMASK_REQUEST without decoding its signature block (malicious mode): the request
+    with no signatures, and the block's bytes (b"" unless ``signed``), checked only for its
+    length; :func:`decode_signed_sets` decodes them."""
     h, r = _open(data, MsgType.UNMASK_REQUEST)
     s, d = r.unpack(_REQUEST_COUNTS)
     rest = len(r.data) - r.pos
@@ -462,22 +491,38 @@ def decode_unmask_request(data: bytes, *, signed: bool = False) -> tuple[Header,
         raise ProtocolError("survivor/dropped counts do not fit the message length")
     survivors = r.ids(s)
     dropped = r.ids(d)
-    sets: list[SignedSet] = []
+    block = b""
     if signed:
-        for _ in range(r.count(_SIGNED_PEER.size + _SIG.size)):
-            peer = PeerKeys(*r.unpack(_SIGNED_PEER))
-            sets.append(SignedSet(peer, r.unpack(_SIG)[0]))
-        _unique_peers(tuple((x.signer.client_id, x) for x in sets))
+        start = r.pos
+        count = r.count(_SIGNED_SET.size)
+        r.pos += count * _SIGNED_SET.size
+        block = bytes(r.data[start : r.pos])
     r.end()
-    return h, UnmaskRequest(survivors, dropped, tuple(sets))
+    return h, UnmaskRequest(survivors, dropped), block
+
+
+def decode_signed_sets(block: bytes) -> tuple[SignedSet, ...]:
+    """:func:`encode_signed_sets` undone; ProtocolError if malformed or a signer repeats."""
+    r = _Reader(block)
+    sets = tuple(SignedSet(PeerKeys(*e[:6]), e[6]) for e in r.records(_SIGNED_SET))
+    r.end()
+    _unique_peers(tuple((x.signer.client_id, x) for x in sets))
+    return sets
 
 
 # --- CONSISTENCY_CHECK / CONSISTENCY_SIGNATURE (malicious mode) --------------
 
 
-def encode_consistency_check(h: Header, m: ConsistencyCheck) -> bytes:
+def encode_consistency_check(h: Header, m: ConsistencyCheck, *,
+                             body: bytes | None = None) -> bytes:
+    """``body``: :func:`consistency_check_body` of ``m`` already made (the same for every
+    survivor)."""
+    return _header_bytes(h) + (consistency_check_body(m) if body is None else body)
+
+
+def consistency_check_body(m: ConsistencyCheck) -> bytes:
     s = len(m.survivors)
-    return _header_bytes(h) + _U32.pack(s) + struct.pack(f"<{s}Q", *m.survivors)
+    return _U32.pack(s) + struct.pack(f"<{s}Q", *m.survivors)
 
 
 def decode_consistency_check(data: bytes) -> tuple[Header, ConsistencyCheck]:

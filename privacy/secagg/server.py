@@ -87,6 +87,7 @@ class SecAggServer:
         self.advertised: tuple[tuple[int, bytes], ...] = ()  # malicious: the list
         self.list_digest = b""
         self._signatures: dict[int, bytes] = {}  # malicious: consistency signatures
+        self._consistency = b""  # malicious: what they sign
         self.stage = Stage.SETUP  # the stage whose replies are awaited
         self.status = Status.RUNNING
         self.abort_reason: str | None = None
@@ -275,13 +276,8 @@ class SecAggServer:
         return PeerKeys(sender, m.c_pk, m.s_pk), m.b_commitment
 
     def _accept_consistency(self, sender: int, payload: bytes) -> bytes:
+        """A consistency signature, verified when the stage closes (as far as needed)."""
         _, signature = msg.decode_consistency_signature(payload)
-        cfg = self.config
-        message = mal.consistency_message(cfg.run_id, cfg.round_id, sorted(self.survivors),
-                                          self.list_digest)
-        identity = self._keys[sender].identity
-        if not mal.verify(TrustedKeys([identity]), identity, signature, message):
-            raise ProtocolError("consistency signature does not verify")
         return signature
 
     def _accept_shares(self, sender: int, payload: bytes) -> dict[int, bytes]:
@@ -345,11 +341,12 @@ class SecAggServer:
         active = self._prune(set(self._keys), "keys")
         self._told_keys = {u: self.neighbours[u] & active for u in active}
         out = {}
+        listed = msg.encode_list(self.advertised) if self.config.malicious else None
         for u in sorted(active):
             entries = tuple(self._keys[v] for v in sorted(self._told_keys[u]))
             h = self._header(MsgType.PUBLIC_KEYS, u)
             out[u] = msg.encode_public_keys(h, msg.PublicKeys(entries, self.advertised),
-                                            signed=self.config.malicious)
+                                            signed=self.config.malicious, listed=listed)
         self._open(Stage.SHARE_KEYS, active)
         return out
 
@@ -422,17 +419,36 @@ class SecAggServer:
 
     def _consistency_check(self) -> dict[int, bytes]:
         """Malicious mode: send every survivor the survivor set to sign."""
-        check = msg.ConsistencyCheck(tuple(sorted(self.survivors)))
-        out = {w: msg.encode_consistency_check(self._header(MsgType.CONSISTENCY_CHECK, w), check)
-               for w in sorted(self.survivors)}
+        cfg, ids = self.config, tuple(sorted(self.survivors))
+        self._consistency = mal.consistency_message(cfg.run_id, cfg.round_id, ids,
+                                                    self.list_digest)
+        body = msg.consistency_check_body(msg.ConsistencyCheck(ids))
+        out = {w: msg.encode_consistency_check(self._header(MsgType.CONSISTENCY_CHECK, w),
+                                               msg.ConsistencyCheck(ids), body=body)
+               for w in ids}
         self._open(Stage.CONSISTENCY_CHECK, set(self.survivors))
         return out
 
     def _close_consistency_check(self) -> dict[int, bytes]:
+        """Verify the signatures in id order until a quorum is valid: those are the ones
+        forwarded, and a signer whose signature fails is rejected. Later ones are not
+        verified: no client relies on them (each checks the forwarded quorum itself), and
+        their signers answer the unmask request like the others."""
         self._signatures = dict(self._received)  # type: ignore[arg-type]
         need = self._quorum()
-        if len(self._signatures) < need:
-            raise Aborted(f"{len(self._signatures)} consistency signatures, {need} needed; "
+        valid = 0
+        for w in sorted(self._signatures):
+            if valid == need:
+                break
+            identity = self._keys[w].identity
+            if mal.verify(TrustedKeys([identity]), identity, self._signatures[w],
+                          self._consistency):
+                valid += 1
+            else:
+                del self._signatures[w]
+                self._reject(w, "consistency signature does not verify")
+        if valid < need:
+            raise Aborted(f"{valid} consistency signatures, {need} needed; "
                           "no share was requested")
         return self._unmask_requests(frozenset(self._signatures))
 
@@ -469,6 +485,7 @@ class SecAggServer:
         need = self._quorum()
         signed = tuple(msg.SignedSet(self._keys[w], self._signatures[w])
                        for w in sorted(self._signatures)[:need]) if malicious else ()
+        block = msg.encode_signed_sets(signed) if malicious else None  # one for all
         out = {}
         for w in sorted(responders):
             mine = self._masked_with[w]
@@ -479,7 +496,7 @@ class SecAggServer:
                 + [(v, ShareKind.MASK_KEY) for v in req.dropped]
             )
             out[w] = msg.encode_unmask_request(self._header(MsgType.UNMASK_REQUEST, w), req,
-                                               signed=malicious)
+                                               signed=malicious, block=block)
         self._open(Stage.UNMASKING, set(responders))
         return out
 
