@@ -39,10 +39,11 @@ class LearnerSpec:
             raise ValueError(f"silo.learners must be an integer >= 1, got {self.learners!r}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"silo.sma_momentum must be in [0, 1), got {self.momentum!r}")
-        if not 0 < self.correction <= 0.5:
-            raise ValueError(f"silo.sma_correction must be in (0, 0.5], got "
-                             f"{self.correction!r}: above 0.5 the average model overshoots "
-                             "the learners' mean every step")
+        if not 0 < self.correction <= 1 / self.learners:
+            raise ValueError(f"silo.sma_correction must be in (0, 1 / silo.learners] = "
+                             f"(0, {1 / self.learners:.4g}], got {self.correction!r}: the "
+                             "average model moves by the sum of the learners' corrections, "
+                             "and above that it overshoots their mean")
 
     def config(self) -> dict[str, Any]:
         """The keys a training message carries (none for one learner: DDP)."""

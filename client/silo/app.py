@@ -69,7 +69,7 @@ from client.protocol.train import read_dp_sgd_prior_rounds
 from client.protocol.updates import delta_record, flatten_model, model_views
 from client.secure_client import SecureClient, register_secagg
 from client.silo.gossip import HeldModel, mix
-from client.silo.learners import train_learners
+from client.silo.learners import LearnerState, train_learners
 from client.silo.ring import RingResult, blamed_ranks, ring_aggregate, ring_sum_words
 from client.task import ClientTask, SpecResolver, TaskFactory
 from client.training import evaluate, train
@@ -89,6 +89,8 @@ class SiloWorker:
     data: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tests: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = field(
         default_factory=dict)  # held-out splits, on the device
+    learners: dict[int, LearnerState] = field(
+        default_factory=dict)  # per partition: this process's SMA learners between rounds
 
     @classmethod
     def build(cls, task: ClientTask, device: torch.device) -> SiloWorker:
@@ -216,7 +218,8 @@ class SiloClient(FedringClient):
             loss = self.group.train(worker, key, pid, seed, learners)
         elif learners.learners > 1:
             try:
-                loss = train_learners(worker.module, x, y, cfg, learners, seed=seed)
+                loss = train_learners(worker.module, x, y, cfg, learners, seed=seed,
+                                      state=worker.learners.setdefault(pid, LearnerState()))
             except ValueError as exc:
                 raise WireError(str(exc)) from None
         elif cfg.dp_sgd:  # composed with this silo's earlier rounds

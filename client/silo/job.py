@@ -36,7 +36,7 @@ import torch.distributed as dist
 from client.executor import WarmExecutor
 from client.protocol.learners import LearnerSpec
 from client.silo.app import SiloClient, SiloWorker, WorkerCache, make_silo_client_app
-from client.silo.learners import check_learners, train_learners
+from client.silo.learners import LearnerState, check_correction, check_learners, train_learners
 from client.silo.options import DEVICES, add_worker_options
 from client.silo.ring import loopback_interface, warm_up
 from client.silo.training import check_silo_training, train_ddp
@@ -93,10 +93,10 @@ class SiloGroup:
                                    "seed": seed}
         if learners is not None and learners.learners > 1:
             check_learners(worker.module, worker.task.train_config)  # likewise
+            check_correction(learners, self.size)
             command["learners"] = asdict(learners)
         self.publish(command)
-        x, y = worker.partition(pid)
-        return train_rank(worker, x, y, seed, learners)
+        return train_rank(worker, pid, seed, learners)
 
     def stop(self) -> None:
         """Leader: tell the followers to exit."""
@@ -111,21 +111,23 @@ def follow(group: SiloGroup, workers: WorkerCache) -> int:
         if cmd.get("op") == "stop":
             return done
         worker = workers.get(cmd["task"])
-        x, y = worker.partition(int(cmd["partition"]))
         spec = LearnerSpec(**cmd["learners"]) if "learners" in cmd else None
-        train_rank(worker, x, y, int(cmd["seed"]), spec)
+        train_rank(worker, int(cmd["partition"]), int(cmd["seed"]), spec)
         done += 1
 
 
-def train_rank(worker: SiloWorker, x: torch.Tensor, y: torch.Tensor, seed: int,
-               learners: LearnerSpec | None) -> float:
-    """This rank's part of the silo's training: DDP, or SMA learners from rank 0's model."""
+def train_rank(worker: SiloWorker, pid: int, seed: int, learners: LearnerSpec | None
+               ) -> float:
+    """This rank's part of the silo's training on partition ``pid``: DDP, or SMA learners
+    from rank 0's model (this rank's learners kept between rounds)."""
+    x, y = worker.partition(pid)
     if learners is None or learners.learners == 1:
         return train_ddp(worker.module, x, y, worker.task.train_config, seed=seed)
     with torch.no_grad():  # DDP broadcasts rank 0's parameters when it wraps the module
         for p in worker.module.parameters():
             dist.broadcast(p, src=0)
-    return train_learners(worker.module, x, y, worker.task.train_config, learners, seed=seed)
+    return train_learners(worker.module, x, y, worker.task.train_config, learners, seed=seed,
+                          state=worker.learners.setdefault(pid, LearnerState()))
 
 
 class SiloExecutor(WarmExecutor):

@@ -37,6 +37,10 @@ def main(out: str, config_json: str) -> None:
     else:
         spec = LearnerSpec(2, momentum=0.5, correction=0.2)
         loss = group.train(worker, key, 0, training_seed(worker.task.seed, 1, 0), spec)
+        with torch.no_grad():  # round 2 from another model: the learners carry on from it
+            for p in worker.module.parameters():
+                p.add_(0.01)
+        loss = group.train(worker, key, 0, training_seed(worker.task.seed, 2, 0), spec)
         group.stop()
     vec = torch.cat([p.detach().reshape(-1) for p in worker.module.parameters()])
     gathered = [torch.empty_like(vec) for _ in range(size)]

@@ -11,7 +11,10 @@ import pytest
 from flwr.app import Context, Message
 from silo_helpers import SILOS, scenario, trained_silo
 
-from client.protocol.learners import LearnerKey
+from client.app import training_seed
+from client.flat_model import FlatModel
+from client.protocol.learners import LearnerKey, LearnerSpec
+from client.silo.learners import LearnerState, train_learners
 from server.secagg_config import SecAggScenarioConfig
 from simulations.apps import spec_from_run_config
 from simulations.silo_engine import ConcurrentGrid, silo_client_app
@@ -60,6 +63,40 @@ def test_a_cross_silo_round_applies_the_mean_of_the_average_models_deltas(run_in
                      LearnerKey.CORRECTION: 0.2}] * SILOS
 
 
+def test_two_cross_silo_rounds_carry_each_silos_learners(run_inprocess) -> None:
+    """Round 2 starts each silo's learners at the new global model plus their offsets
+    from the silo's average model at the end of round 1 (and their momentum): the same
+    as every silo's learners carried across both rounds here."""
+    config = scenario(rounds=2, **LEARNERS)
+    models: list[np.ndarray] = []
+    summary = run_inprocess(config, grid=ConcurrentGrid(silo_app([]), SILOS), models=models)
+    assert summary["status"] == "completed" and summary["versions"] == 2
+    task = ScenarioTask.from_config(config)
+    spec = LearnerSpec(2, momentum=0.5, correction=0.2)
+    states = [LearnerState() for _ in range(SILOS)]
+    weights = [len(task.partition(pid)[1]) for pid in range(SILOS)]
+    model = FlatModel(task.build_model())
+    glob, _ = task.initial_params()
+    fresh = None
+    for rnd in (1, 2):
+        deltas = []
+        for pid in range(SILOS):
+            model.load(glob)
+            x, y = task.partition(pid)
+            train_learners(model.module, x, y, task.train_config, spec,
+                           seed=training_seed(task.seed, rnd, pid), state=states[pid])
+            deltas.append(model.flat_np - glob)
+        if rnd == 2:  # without the states: what restarting the learners gives
+            model.load(glob)
+            x, y = task.partition(0)
+            train_learners(model.module, x, y, task.train_config, spec,
+                           seed=training_seed(task.seed, rnd, 0))
+            fresh = model.flat_np - glob
+        glob = glob + np.average(np.stack(deltas), axis=0, weights=weights).astype(np.float32)
+        np.testing.assert_allclose(models[rnd], glob, atol=5e-6)
+    assert np.abs(fresh - deltas[0]).max() > 1e-4  # carrying the learners changes round 2
+
+
 def test_a_secure_cross_silo_round_unmasks_the_same_model(run_inprocess) -> None:
     config = scenario(rounds=1, **LEARNERS, **{"secagg.enabled": True})
     seen: list[dict] = []
@@ -81,7 +118,8 @@ def test_a_secure_cross_silo_round_unmasks_the_same_model(run_inprocess) -> None
     ({"silo.sma_momentum": 1.0}, "silo.sma_momentum"),
     ({"silo.sma_momentum": -0.1}, "silo.sma_momentum"),
     ({"silo.sma_correction": 0.0}, "silo.sma_correction"),
-    ({"silo.sma_correction": 0.6}, "silo.sma_correction"),
+    ({"silo.sma_correction": 1.5}, "silo.sma_correction"),
+    ({"silo.learners": 4, "silo.sma_correction": 0.3}, "silo.sma_correction"),
 ])
 def test_bad_learner_settings_fail_at_start_naming_the_key(values: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from silo_helpers import ROOT
 from sma_reference import reference_sma
-from torch.nn.utils import parameters_to_vector
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from client.protocol.learners import LearnerKey, LearnerSpec
-from client.silo.learners import check_learners, train_learners
+from client.silo.learners import LearnerState, check_correction, check_learners, train_learners
 from client.training import TrainConfig
 
 WORKER = Path(__file__).parent / "sma_worker.py"
@@ -71,6 +71,65 @@ def test_one_process_follows_the_plain_loop_step_by_step(case: str, kind: str) -
     assert (steps[-1][0][0] - steps[-1][0][1]).abs().max() > 1e-4  # learners differ
 
 
+@pytest.mark.parametrize("kind", ["sequential", "vmap"])
+def test_learners_persist_across_two_rounds_as_one_loop_does(kind: str) -> None:
+    """Round 2 starts from another model (the federation's mean): each learner at that
+    model plus its offset from round 1's average model, with its SGD momentum and the
+    average model's last step, as the plain loop carried across both rounds."""
+    cfg, alpha, mu = CASES["momentum_decay"]
+    x, y = data()
+    model = build_model() if kind == "sequential" else Wrapped()
+    spec, state = LearnerSpec(4, momentum=mu, correction=alpha), LearnerState()
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    train_learners(model, x, y, cfg, spec, seed=5, state=state,
+                   on_step=lambda s, w, z: steps.append((w.clone(), z.clone())))
+    shift = 0.01 * torch.randn(sum(p.numel() for p in model.parameters()),
+                               generator=torch.Generator().manual_seed(2))
+    second = parameters_to_vector(model.parameters()).detach() + shift  # the new global
+    vector_to_parameters(second.clone(), model.parameters())  # (the module's views of it)
+    train_learners(model, x, y, cfg, spec, seed=6, state=state,
+                   on_step=lambda s, w, z: steps.append((w.clone(), z.clone())))
+    carry: dict = {}
+    ref = build_model()
+    kw = dict(epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+              momentum=cfg.momentum, weight_decay=cfg.weight_decay, alpha=alpha, mu=mu,
+              total=4, carry=carry)
+    expected = reference_sma(ref, x, y, seed=5, **kw)
+    vector_to_parameters(second.clone(), ref.parameters())
+    expected += reference_sma(ref, x, y, seed=6, **kw)
+    assert len(steps) == len(expected) == 12
+    for (w, z), (w_ref, z_ref) in zip(steps, expected, strict=True):
+        assert (w - w_ref).abs().max() < 1e-6
+        assert (z - z_ref).abs().max() < 1e-6
+    assert torch.equal(parameters_to_vector(model.parameters()).detach(), steps[-1][1])
+    fresh = build_model() if kind == "sequential" else Wrapped()
+    vector_to_parameters(second.clone(), fresh.parameters())
+    train_learners(fresh, x, y, cfg, spec, seed=6)  # no state: every learner at the model
+    assert (parameters_to_vector(fresh.parameters()).detach() - steps[-1][1]).abs().max() > 1e-4
+
+
+def test_a_state_of_other_learners_or_another_model_is_not_carried() -> None:
+    x, y = data()
+    cfg, alpha, mu = CASES["plain"]
+    state = LearnerState(offsets=torch.ones(3, 8), drift=torch.ones(8))
+    model, again = build_model(), build_model()
+    train_learners(model, x, y, cfg, LearnerSpec(4, momentum=mu, correction=alpha), seed=5,
+                   state=state)
+    train_learners(again, x, y, cfg, LearnerSpec(4, momentum=mu, correction=alpha), seed=5)
+    assert torch.equal(parameters_to_vector(model.parameters()),
+                       parameters_to_vector(again.parameters()))
+    assert state.offsets is not None and tuple(state.offsets.shape) == (4, 195)
+
+
+def test_the_sum_of_the_silos_corrections_may_not_overshoot() -> None:
+    check_correction(LearnerSpec(2, correction=0.25), 2)  # 4 learners, 4 * 0.25 = 1
+    with pytest.raises(ValueError, match=r"silo\.sma_correction"):
+        check_correction(LearnerSpec(2, correction=0.25), 3)
+    with pytest.raises(ValueError, match=r"silo\.sma_correction"):
+        LearnerSpec(4, correction=0.3)  # checked at start: alpha * L <= 1
+    assert LearnerSpec(1, correction=1.0).correction == 1.0  # one learner: z is it
+
+
 def test_two_processes_follow_the_plain_loop_with_the_learners_split(tmp_path: Path) -> None:
     out = tmp_path / "sma.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
@@ -108,8 +167,9 @@ def test_settings_learners_cannot_honour_are_refused_naming_the_key(cfg: TrainCo
 
 
 def test_a_silo_job_of_two_processes_trains_its_learners_together(tmp_path: Path) -> None:
-    """The leader's command carries the learner spec; both ranks end with the average model
-    of 2 x 2 learners, which one process with 4 learners reaches too."""
+    """The leader's command carries the learner spec; over two rounds (the second from
+    another model) both ranks end with the average model of 2 x 2 learners, each rank
+    keeping its own learners between rounds, which one process with 4 learners reaches."""
     import numpy as np
     from silo_helpers import scenario
 
@@ -133,9 +193,15 @@ def test_a_silo_job_of_two_processes_trains_its_learners_together(tmp_path: Path
     model = FlatModel(task.build_model())
     initial = model.flat_np.copy()
     x, y = task.partition(0)
-    loss = train_learners(model.module, x, y, task.train_config,
-                          LearnerSpec(4, momentum=0.5, correction=0.2),
-                          seed=training_seed(task.seed, 1, 0))
+    spec, state = LearnerSpec(4, momentum=0.5, correction=0.2), LearnerState()
+    train_learners(model.module, x, y, task.train_config, spec,
+                   seed=training_seed(task.seed, 1, 0), state=state)
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.add_(0.01)
+    loss = train_learners(model.module, x, y, task.train_config, spec,
+                          seed=training_seed(task.seed, 2, 0), state=state)
+    model.to_host()
     np.testing.assert_array_equal(leader, follower)
     assert np.abs(leader - initial).max() > 1e-2
     np.testing.assert_allclose(leader, model.flat_np, atol=1e-5)
