@@ -29,8 +29,8 @@ float32 delta of d coordinates, so only aggregation and protocol costs are measu
 
 Per configuration: round wall time, per-client CPU time (thread time inside the ClientApp
 plus that of the worker threads it waited for, median over clients; the clients of the
-process share the graph's memo, and ``graph_derivation_s`` is what deriving the graph
-once costs a client in its own process), and for fedring the
+process share the graph's memo, and ``graph_derivation_s`` is what deriving its own
+neighbours costs a client in its own process), and for fedring the
 secure overhead (client CPU minus plain's) next
 to the PRG bound: the CPU time to expand (k+1) AES-128-CTR masks of d 32-bit words and
 add them, measured right after each round so that overhead and bound see the same
@@ -155,9 +155,8 @@ def forget_memos(*, graphs: bool = True) -> None:
     verified signatures and, with ``graphs``, the neighbour graphs (both modes')."""
     malicious.forget()
     if graphs:
-        malicious.derived_neighbours.cache_clear()
-        graph._regular_graph.cache_clear()
-        graph._connected.cache_clear()
+        malicious._core.cache_clear()
+        graph._placement.cache_clear()
 
 
 def secagg_kind(msg: Message) -> MsgType | None:
@@ -321,17 +320,20 @@ def flower_in_child(inputs: dict[int, tuple[np.ndarray, int]], n: int, d: int,
 
 
 def graph_seconds(n: int, k: int) -> float:
-    """CPU seconds to derive the round's k-regular graph on n clients once, unmemoized:
-    what a client in its own process pays on top of ``client_cpu_s`` (the clients of one
-    process share the memo), O(n k)."""
+    """CPU seconds for one client to derive its own neighbours without the memo (the
+    seed's permutation, O(n), and its row, O(k)): what a client in its own process pays
+    on top of ``client_cpu_s`` (the clients of one process share the permutation); 0 for
+    the full graph (nothing to derive)."""
     if k >= n - 1:
         return 0.0
     times = []
-    for i in range(3):
+    for i in range(5):
         seed = bytes([i]) * 32
+        graph._placement.cache_clear()
         start = time.process_time()
-        graph._regular_graph.__wrapped__(n, k, seed)
+        graph.node_neighbours(n, k, seed, i % n)
         times.append(time.process_time() - start)
+    graph._placement.cache_clear()
     return min(times)
 
 

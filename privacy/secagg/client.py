@@ -42,7 +42,7 @@ from privacy.secagg import malicious as mal
 from privacy.secagg import messages as msg
 from privacy.secagg.buffers import POOL
 from privacy.secagg.errors import ProtocolError
-from privacy.secagg.graph import regular_graph
+from privacy.secagg.graph import node_neighbours
 from privacy.secagg.identity import Identity, TrustedKeys
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
 from privacy.secagg.params import MALICIOUS, SECURITY_MODES, SEMI_HONEST, SessionParams
@@ -310,9 +310,9 @@ class SecAggClient:
         if config.malicious:  # neighbours come from the advertisement list (PUBLIC_KEYS)
             self.neighbours = frozenset()
             return
-        graph = regular_graph(config.n, config.k, config.seed)
         ids = config.participants
-        self.neighbours = frozenset(ids[j] for j in graph[config.positions[self.client_id]])
+        row = node_neighbours(config.n, config.k, config.seed, config.positions[self.client_id])
+        self.neighbours = frozenset(ids[j] for j in row.tolist())
 
     def _load_signed_keys(self, h: Header, m: msg.PublicKeys) -> tuple[frozenset[int], bytes]:
         """Malicious mode: check the list and the neighbours' signed advertisements; this
@@ -364,11 +364,11 @@ class SecAggClient:
         inside the list's t-core (the clients the server keeps); ProtocolError if this
         client is not kept."""
         cfg = self._cfg
-        kept = mal.derived_neighbours(cfg.participants, cfg.k, cfg.t, tuple(listed), digest,
-                                      self.policy.require_connected)
-        if self.client_id not in kept:
+        mine = mal.derived_neighbours(cfg.participants, cfg.k, cfg.t, listed, digest,
+                                      self.client_id)
+        if mine is None:
             raise ProtocolError("this client has fewer than t neighbours in the derived graph")
-        return kept[self.client_id]
+        return mine
 
     def _check_signed_request(self, m: msg.UnmaskRequest, block: bytes) -> None:
         """Malicious mode: a quorum of valid signatures (``block``, undecoded) on the set this

@@ -36,16 +36,17 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from bisect import bisect_left
+from collections.abc import Sequence
 from functools import lru_cache
 
-from privacy.secagg.graph import graph_connected, regular_graph
+import numpy as np
+
+from privacy.secagg.graph import neighbour_array, node_neighbours
 from privacy.secagg.identity import TrustedKeys, signed_bytes
-from privacy.secagg.params import MIN_NEIGHBORS
 from privacy.secagg.stages import Stage
 
 DIGEST_BYTES = 32
-_MAX_SEED_COUNTER = 64
 _ENTRY = struct.Struct(f"<Q{DIGEST_BYTES}s")
 _VERIFIED: dict[tuple[bytes, bytes, bytes], None] = {}  # signatures found valid
 _MAX_VERIFIED = 1 << 14
@@ -134,47 +135,62 @@ def _list_digest(run_id: int, round_id: int, entries: Sequence[tuple[int, bytes]
     return h.digest()
 
 
-def derive_seed(digest: bytes, n: int, k: int, require_connected: bool) -> bytes:
-    """The graph seed of a round: H(list digest, counter) for the first counter whose
-    k-regular graph on the n participants is connected (counter 0 when not required)."""
-    for counter in range(_MAX_SEED_COUNTER):
-        seed = hashlib.sha256(b"fedring-secagg/v1/graph-seed\x00" + digest +
-                              struct.pack("<I", counter)).digest()
-        if not require_connected or not MIN_NEIGHBORS <= k <= n - 1 or \
-                graph_connected(n, k, seed):
-            return seed
-    # pragma: no cover - k >= 3 regular graphs are connected w.h.p.
-    raise ValueError(f"no connected {k}-regular graph on {n} nodes from the list")
+def derive_seed(digest: bytes) -> bytes:
+    """The graph seed of a round: H(list digest, 0). Any seed gives a connected graph
+    (:mod:`privacy.secagg.graph`: k-connected), so there is nothing to draw again."""
+    return hashlib.sha256(b"fedring-secagg/v1/graph-seed\x00" + digest +
+                          struct.pack("<I", 0)).digest()
 
 
-def threshold_core(neighbours: Mapping[int, frozenset[int]], active: set[int],
-                   t: int) -> set[int]:
-    """The largest subset of ``active`` where each keeps >= t neighbours inside it (what
-    the server's pruning leaves: unique, whatever the order of removal)."""
-    core = set(active)
-    changed = True
-    while changed:
-        changed = False
-        for u in sorted(core):
-            if len(neighbours[u] & core) < t:
-                core.discard(u)
-                changed = True
-    return core
+def threshold_core(neighbours: np.ndarray, active: np.ndarray, t: int) -> np.ndarray:
+    """The largest subset of ``active`` (a boolean mask over the rows of the (n, k) index
+    array ``neighbours``) where each keeps >= t neighbours inside it, as a mask: what the
+    server's pruning leaves. Every round drops all rows below t at once; a dropped row
+    has fewer than t in any subset of the current set, so none of the core is ever
+    dropped, and the result is the same whatever the order of removal."""
+    core = np.asarray(active, dtype=bool).copy()
+    while True:
+        keep = core & (np.count_nonzero(core[neighbours], axis=1) >= t)
+        if np.array_equal(keep, core):
+            return core
+        core = keep
 
 
 @lru_cache(maxsize=8)
-def derived_neighbours(participants: tuple[int, ...], k: int, t: int,
-                       listed: tuple[tuple[int, bytes], ...], digest: bytes,
-                       require_connected: bool) -> dict[int, frozenset[int]]:
-    """Every kept client's neighbours (read-only): the k-regular graph on the participants
-    from the list's seed, inside the list's t-core. Memoized: the clients of a round in
-    one process derive the same one."""
+def _core(participants: tuple[int, ...], k: int, t: int, listed: tuple[int, ...],
+          seed: bytes) -> np.ndarray:
+    """The t-core of the listed clients (a read-only mask over the participants'
+    positions). Memoized: the clients of a round in one process share it."""
     n = len(participants)
-    graph = regular_graph(n, k, derive_seed(digest, n, k, require_connected))
-    adjacency = {c: frozenset(participants[j] for j in graph[i])
-                 for i, c in enumerate(participants)}
-    core = threshold_core(adjacency, {c for c, _ in listed}, t)
-    return {c: adjacency[c] & core for c in sorted(core)}
+    active = np.zeros(n, dtype=bool)
+    active[np.searchsorted(np.array(participants, dtype=np.uint64),
+                           np.array(listed, dtype=np.uint64))] = True
+    core = threshold_core(neighbour_array(n, k, seed), active, t)
+    core.setflags(write=False)
+    return core
+
+
+def derived_neighbours(participants: tuple[int, ...], k: int, t: int,
+                       listed: Sequence[tuple[int, bytes]], digest: bytes,
+                       client: int) -> frozenset[int] | None:
+    """``client``'s neighbours in the k-regular graph on the participants from the list's
+    seed, inside the list's t-core (the clients the server keeps); None when ``client``
+    is not kept. The list's ids are participants, increasing. When every participant is
+    listed the core is everybody (each has k >= t neighbours): only ``client``'s row is
+    derived; otherwise the core is peeled over the whole graph (memoized)."""
+    n = len(participants)
+    seed = derive_seed(digest)
+    ids = tuple(c for c, _ in listed)
+    position = bisect_left(participants, client)
+    if position == n or participants[position] != client:
+        return None
+    row = node_neighbours(n, k, seed, position)
+    if ids != participants:
+        core = _core(participants, k, t, ids, seed)
+        if not core[position]:
+            return None
+        row = row[core[row]]
+    return frozenset(participants[j] for j in row.tolist())
 
 
 def consistency_message(run_id: int, round_id: int, survivors: Sequence[int],

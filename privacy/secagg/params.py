@@ -5,6 +5,11 @@ its two secrets t-of-k among its k neighbours in a random k-regular graph. For a
 round to finish, every secret the server needs must have at least t holders left;
 for privacy, no client may have t or more neighbours colluding with the server.
 
+The graph (:mod:`privacy.secagg.graph`) is a Harary graph over a uniform permutation
+of the participants, drawn from a seed fixed after the corrupt set and independently of
+the dropouts. So each client's neighbours are a uniform k-subset of the others, and
+each neighbour drops (is corrupt) with probability delta (gamma), whoever it is.
+
 :func:`default_k` returns the smallest k (with n*k even) such that, with
 t = :func:`default_threshold` (k), when each client drops independently with
 probability ``dropout_fraction`` (delta) and a ``corrupt_fraction`` (gamma) of
@@ -15,17 +20,40 @@ clients is chosen independently of the graph,
    lack of shares) except with probability 2^-failure_bits;
 2. privacy: ``n * P[Bin(k, gamma) >= t] <= 2**-security_bits``
    (:func:`meets_security`, :func:`exposed_fraction`: why binomial), so no client has
-   t corrupt neighbours except with probability 2^-security_bits.
+   t corrupt neighbours except with probability 2^-security_bits;
+3. connectivity: ``C(n, 2) * (delta + gamma)**(2 * floor(k/2)) <= 2**-security_bits``
+   (:func:`disconnection_bound`), so the graph on the honest survivors is connected
+   (the masks of separate parts would cancel separately and reveal each part's sum)
+   except with that probability.
 
-Both tails are computed exactly, not by a Chernoff bound. They decay like
-exp(-k * D) with D the Kullback-Leibler divergence between t/k and 1-delta (resp.
-gamma), so k grows like (failure_bits*ln 2 + ln n) / D = O(log n), as in Bell et al.
-Their third condition, that the graph on honest survivors stays connected (so the
-masks of different components do not cancel separately), holds with high
-probability for random regular graphs once (1-delta-gamma)*k = Omega(log n); it is
-not computed here; instead :meth:`SessionParams.create` draws its seed until the graph
-is connected, and the policy (:mod:`privacy.secagg.policy`) refuses a disconnected one.
-When no k < n-1 satisfies 1-2, k = n-1: full SecAgg (Bonawitz et al., CCS 2017).
+1-2 bound one client at a time and take the union over the n clients: only a row's
+law (the uniform k-subset) matters, not the joint law of the rows. Both tails are
+computed exactly, not by a Chernoff bound. They decay like exp(-k * D) with D the
+Kullback-Leibler divergence between t/k and 1-delta (resp. gamma), so k grows like
+(failure_bits*ln 2 + ln n) / D = O(log n), as in Bell et al.
+
+Derivation of 3. With h = floor(k/2), the graph contains the circulant C_n(1..h)
+(each position adjacent to those at ring distance <= h; the diameter edges of an odd k
+only add edges). Let R be the positions of the clients that dropped or are corrupt and
+s_1 < ... < s_m the others, in ring order. Consecutive s_i, s_(i+1) (cyclically) are
+adjacent unless h or more positions between them are in R. If at most one of the m
+gaps is that wide, the ring order less that one link is a path through every s_i:
+connected. So a disconnected remainder needs two gaps each holding a run of h
+consecutive positions of R, the two runs disjoint (a survivor lies between them). A
+run is named by its first position, so there are at most C(n, 2) pairs of disjoint
+runs; each pair is 2h distinct positions, all in R with probability rho^(2h), where
+rho = 1 - (1-delta)(1-gamma) <= delta + gamma is the chance that a client is not an
+honest survivor, independent across clients and, the permutation being independent of
+who drops or is corrupt, across positions. The union bound over the pairs gives 3 (0
+for the full graph, whose remainder is always connected). It asks 2h >= (security_bits
++ log2 C(n, 2)) / log2(1/rho), less than 1-2 ask at the default fractions: at
+delta = 0.1, gamma = 0.05 it holds with about 40 bits to spare for every n in
+3..10,000 and changes no k there. It binds when little is assumed to go wrong: with
+gamma = 0, delta = 0.05 and threshold fraction 0.3, 1-2 alone take k = 11 at n = 100,
+3 takes 14. A Harary graph is k-connected, so the public graph itself is connected for
+every seed once k >= 2: no seed is drawn again.
+
+When no k < n-1 satisfies 1-3, k = n-1: full SecAgg (Bonawitz et al., CCS 2017).
 ``corrupt_fraction`` defaults to :data:`DEFAULT_CORRUPT_FRACTION` (0.05; why, and what
 it costs in k, is documented in :mod:`privacy.secagg.policy`).
 """
@@ -41,13 +69,10 @@ from itertools import pairwise
 
 import numpy as np
 
-from privacy.secagg.graph import graph_connected
-
 MAX_CLIENTS = 1 << 20
 MAX_DIM = 1 << 34
 MAX_BITS = 64
 SEED_BYTES = 32
-_MAX_SEED_DRAWS = 64
 SECURITY_BITS = 40  # no client has t corrupt neighbours except with probability 2^-40
 # The strict policy's minimums and assumed corrupt fraction (privacy.secagg.policy: why)
 MIN_NEIGHBORS = 3
@@ -117,6 +142,18 @@ def meets_security(n: int, k: int, t: int, corrupt_fraction: float,
     return n * exposed_fraction(k, t, corrupt_fraction) <= 2.0**-security_bits
 
 
+def disconnection_bound(n: int, k: int, dropout_fraction: float,
+                        corrupt_fraction: float) -> float:
+    """Condition 3 of the module docstring: ``C(n, 2) * rho**(2 * floor(k/2))`` with
+    rho = delta + gamma (at most 1), the most the chance can be that the honest
+    survivors' graph is disconnected; 0 for the full graph."""
+    h = k // 2
+    if k >= n - 1:
+        return 0.0
+    rho = min(1.0, dropout_fraction + corrupt_fraction)
+    return math.comb(n, 2) * rho ** (2 * h)
+
+
 def default_k(
     n: int,
     *,
@@ -126,7 +163,7 @@ def default_k(
     failure_bits: int = 20,
     security_bits: int = SECURITY_BITS,
 ) -> int:
-    """Smallest graph degree meeting conditions 1-2 of the module docstring, else n-1."""
+    """Smallest graph degree meeting conditions 1-3 of the module docstring, else n-1."""
     if n < 2:
         raise ValueError(f"secure aggregation needs at least 2 clients, got {n}")
     if not 0.0 <= dropout_fraction < 1.0 or not 0.0 <= corrupt_fraction < 1.0:
@@ -141,6 +178,9 @@ def default_k(
         if binomial_tail_below(k, 1.0 - dropout_fraction, t) > fail_budget:
             continue
         if not meets_security(n, k, t, corrupt_fraction, security_bits):
+            continue
+        if disconnection_bound(n, k, dropout_fraction, corrupt_fraction) > \
+                2.0**-security_bits:
             continue
         return k
     return n - 1
@@ -230,9 +270,8 @@ class SessionParams:
     ) -> SessionParams:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
-        The default k is at least ``MIN_NEIGHBORS`` (3) or the full graph; with k >= 3 a
-        drawn seed is drawn again until its graph is connected (a given ``seed`` is kept
-        as is)."""
+        The default k is at least ``MIN_NEIGHBORS`` (3) or the full graph; its graph is
+        connected whatever the seed (:mod:`privacy.secagg.graph`)."""
         ids = tuple(sorted(int(c) for c in participants))
         n = len(ids)
         if k is None:
@@ -243,13 +282,7 @@ class SessionParams:
         if t is None:
             t = default_threshold(k)
         if seed is None:
-            for _ in range(_MAX_SEED_DRAWS):
-                seed = os.urandom(SEED_BYTES)
-                if not MIN_NEIGHBORS <= k <= n - 1 or (n * k) % 2 or \
-                        graph_connected(n, k, seed):
-                    break  # (a k below the policy is for tests, or refused later)
-            else:  # pragma: no cover - k >= 3 regular graphs are connected w.h.p.
-                raise RuntimeError(f"no connected {k}-regular graph on {n} nodes drawn")
+            seed = os.urandom(SEED_BYTES)
         return cls(ids, k, t, bits, dim, run_id, round_id, seed, security)
 
 

@@ -6,9 +6,11 @@ SecAgg+ promises the server learns only the sum of at least ``min_survivors`` cl
 - a communication graph of degree k >= ``min_neighbors`` (3), or the full graph
   (k = n-1, SecAgg of Bonawitz et al., CCS 2017). With k = 1 the graph is a perfect
   matching: the server rebuilds each pair's sum from the masked vectors and the revealed
-  self-masks; with k = 2 it is a union of cycles, often several;
+  self-masks; with k = 2 it is one cycle, which any two dropouts split;
 - a connected graph: the server learns the sum of every connected component on its own.
-  The graph is public (built from the SETUP seed), so each client checks it;
+  The graph (a Harary graph over a seeded permutation, :mod:`privacy.secagg.graph`) is
+  k-connected, so only k = 1 with n > 2 (a perfect matching) fails this, whatever the
+  seed; each client checks it;
 - a threshold t > k/2: fewer than half of a client's neighbours never rebuild its secrets,
   and two disjoint groups of neighbours never rebuild both (t = 1 makes a share the
   secret itself);
@@ -87,8 +89,7 @@ class SecAggPolicy:
                     f"(or the full graph, k = {n - 1})")
         if self.require_majority and 2 * t <= k:
             return f"threshold t = {t} is not more than half of k = {k} (need t >= {k // 2 + 1})"
-        if self.require_connected and not config.malicious and \
-                not graph_connected(n, k, config.seed):  # malicious: derived connected
+        if self.require_connected and not graph_connected(n, k, config.seed):
             return f"the communication graph (n = {n}, k = {k}) from the seed is disconnected"
         return None
 

@@ -55,7 +55,7 @@ from privacy.secagg import keys as kx
 from privacy.secagg import malicious as mal
 from privacy.secagg import messages as msg
 from privacy.secagg.errors import Aborted, ProtocolError
-from privacy.secagg.graph import component_of, regular_graph
+from privacy.secagg.graph import component_of, neighbour_array
 from privacy.secagg.identity import TrustedKeys
 from privacy.secagg.messages import Header, MsgType, PeerKeys, ShareKind
 from privacy.secagg.params import DEFAULT_CORRUPT_FRACTION, SessionParams
@@ -120,9 +120,10 @@ class SecAggServer:
         return self.config.participants
 
     def _graph(self, seed: bytes) -> dict[int, frozenset[int]]:
-        cfg, ids = self.config, self.config.participants
-        graph = regular_graph(cfg.n, cfg.k, seed)
-        return {c: frozenset(ids[j] for j in graph[i]) for i, c in enumerate(ids)}
+        cfg = self.config
+        rows = np.array(cfg.participants, dtype=np.uint64)[neighbour_array(cfg.n, cfg.k, seed)]
+        return {c: frozenset(row) for c, row in zip(cfg.participants, rows.tolist(),
+                                                    strict=True)}
 
     def start(self) -> dict[int, bytes]:
         """The SETUP message for every participant; opens stage 1."""
@@ -370,8 +371,7 @@ class SecAggServer:
             entries.append((c, mal.advert_digest(message, pk.signature)))
         self.advertised = tuple(entries)
         self.list_digest = mal.list_digest(cfg.run_id, cfg.round_id, self.advertised)
-        seed = mal.derive_seed(self.list_digest, cfg.n, cfg.k, self.policy.require_connected)
-        self.neighbours = self._graph(seed)
+        self.neighbours = self._graph(mal.derive_seed(self.list_digest))
 
     def _close_share_keys(self) -> dict[int, bytes]:
         self._cts = dict(self._received)  # type: ignore[arg-type]

@@ -191,19 +191,19 @@ def test_secagg_per_client_memos_in_a_malicious_round() -> None:
     from simulations.inprocess import InProcessGrid
     from simulations.secagg_pki import make_pki
 
-    n, d = 5, 100
+    n, d = 6, 100  # k = 3: a graph to derive (the full graph needs no permutation)
     app = bench.Timed(bench.fedring_client_app(bench.make_inputs(n, d)))
     seen: list[tuple[MsgType | None, int, int]] = []
     inner = app.app
 
     def spy(msg: Any, context: Any) -> Any:
-        graphs = malicious.derived_neighbours.cache_info().currsize + \
-            graph._regular_graph.cache_info().currsize + graph._connected.cache_info().currsize
+        graphs = malicious._core.cache_info().currsize + \
+            graph._placement.cache_info().currsize
         seen.append((bench.secagg_kind(msg), len(malicious._VERIFIED), graphs))
         return inner(msg, context)
 
     app.app, app.own_caches = spy, True
-    settings = SecAggScenarioConfig(enabled=True, neighbors="full", clip_range=bench.CLIP,
+    settings = SecAggScenarioConfig(enabled=True, neighbors=3, clip_range=bench.CLIP,
                                     security="malicious")
     _, out = bench.fedring_round(InProcessGrid(app, n, pki=make_pki(n)), list(range(1, n + 1)),
                                  d, settings, 1)

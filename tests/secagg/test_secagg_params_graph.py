@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
+import numpy as np
 import pytest
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components
 
-from privacy.secagg import SessionParams, default_k, default_threshold
-from privacy.secagg.graph import regular_graph
-from privacy.secagg.params import binomial_tail_at_least, binomial_tail_below
+from privacy.secagg import SessionParams, default_k, default_threshold, graph
+from privacy.secagg.graph import SeededStream, neighbour_array, node_neighbours, regular_graph
+from privacy.secagg.params import (
+    binomial_tail_at_least,
+    binomial_tail_below,
+    disconnection_bound,
+)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 10, 31, 99])
@@ -87,9 +95,11 @@ def test_config_create_fills_defaults():
     assert cfg.positions[1] == 0 and len(cfg.seed) == 32
 
 
-@pytest.mark.parametrize(
-    ("n", "k"), [(2, 1), (3, 2), (4, 1), (10, 3), (10, 4), (11, 6), (50, 31), (100, 99), (300, 20)]
-)
+GRAPHS = [(2, 1), (3, 2), (4, 1), (4, 3), (10, 3), (10, 4), (11, 6), (12, 5), (50, 31),
+          (100, 99), (300, 20)]
+
+
+@pytest.mark.parametrize(("n", "k"), GRAPHS)
 def test_regular_graph_is_simple_regular_and_seeded(n, k):
     seed = os.urandom(32)
     g = regular_graph(n, k, seed)
@@ -101,7 +111,95 @@ def test_regular_graph_is_simple_regular_and_seeded(n, k):
         assert any(regular_graph(n, k, os.urandom(32)) != g for _ in range(3))
 
 
+@pytest.mark.parametrize(("n", "k"), GRAPHS)
+def test_one_nodes_neighbours_are_its_row_of_the_whole_graph(n, k):
+    seed = os.urandom(32)
+    whole = neighbour_array(n, k, seed)
+    assert whole.shape == (n, k)
+    for u in range(n):
+        assert node_neighbours(n, k, seed, u).tolist() == whole[u].tolist()
+        assert set(whole[u].tolist()) == regular_graph(n, k, seed)[u]
+
+
+def test_the_graph_is_a_harary_graph_over_the_seeds_permutation():
+    n, k, seed = 12, 5, os.urandom(32)  # odd k: the ring +-1, +-2 and the diameter
+    order = SeededStream(seed, b"graph-order").permutation(n).tolist()
+    g = regular_graph(n, k, seed)
+    for p, u in enumerate(order):
+        assert g[u] == {order[(p + o) % n] for o in (1, 2, -1, -2, 6)}
+
+
+@pytest.mark.parametrize(("n", "k"), [(5, 2), (6, 3), (7, 4), (8, 3), (9, 4), (10, 5),
+                                      (11, 6), (12, 3)])
+def test_the_graph_is_k_connected(n, k):
+    """Removing any k-1 nodes leaves it connected (checked with scipy's csgraph); some k
+    nodes disconnect it (its connectivity is exactly k)."""
+    g = regular_graph(n, k, os.urandom(32))
+    split = False
+    for size in (k - 1, k):
+        for gone in itertools.combinations(range(n), size):
+            keep = [u for u in range(n) if u not in gone]
+            index = {u: i for i, u in enumerate(keep)}
+            edges = [(index[u], index[v]) for u in keep for v in g[u] if v in index]
+            rows, cols = zip(*edges, strict=True) if edges else ((), ())
+            adjacency = csr_matrix((np.ones(len(edges)), (rows, cols)), shape=(len(keep),) * 2)
+            parts = connected_components(adjacency, directed=False)[0]
+            if size == k - 1:
+                assert parts == 1, gone
+            split |= parts > 1
+    assert split
+
+
+@pytest.mark.parametrize(("n", "k"), [(20, 4), (21, 6), (20, 7)])
+def test_a_nodes_neighbours_are_a_uniform_subset_of_the_others(n, k):
+    """Over many seeds each other node is a neighbour of node 0 with frequency k/(n-1). A
+    fixed ring would give 1 to k of them and 0 to the rest; a position-bound rule (node
+    0's neighbours always near node 0 in the ring of ids) fails the tolerance."""
+    draws = 4000
+    counts = np.zeros(n, dtype=np.int64)
+    for i in range(draws):
+        counts[node_neighbours(n, k, i.to_bytes(32, "little"), 0)] += 1
+    assert counts[0] == 0 and counts.sum() == draws * k
+    p = k / (n - 1)
+    tolerance = 5 * math.sqrt(draws * p * (1 - p))  # 5 standard deviations
+    assert np.all(np.abs(counts[1:] - draws * p) <= tolerance), counts
+
+
+def test_the_permutation_is_memoized_per_n_and_seed():
+    graph._placement.cache_clear()
+    seed = os.urandom(32)
+    for u in range(10):
+        node_neighbours(10, 4, seed, u)
+    assert graph._placement.cache_info().misses == 1
+    node_neighbours(10, 9, seed, 0)  # the full graph needs no permutation
+    assert graph._placement.cache_info().misses == 1
+
+
+def test_the_connectivity_bound_and_default_k():
+    # the honest survivors' graph splits only when two disjoint runs of h positions go
+    assert disconnection_bound(100, 99, 0.1, 0.05) == 0.0  # the full graph
+    assert disconnection_bound(100, 34, 0.1, 0.05) == pytest.approx(4950 * 0.15**34)
+    assert disconnection_bound(100, 35, 0.1, 0.05) == pytest.approx(4950 * 0.15**34)
+    assert disconnection_bound(100, 1, 0.1, 0.05) == 4950  # a matching: never connected
+    # the defaults never need it (1-2 ask more) ...
+    for n in (3, 10, 33, 34, 100, 1000, 10_000):
+        assert disconnection_bound(n, default_k(n), 0.1, 0.05) <= 2**-75
+    # ... but with few dropouts and no corrupt clients assumed it binds: 1-2 alone would
+    # take k = 11 here, whose 2h = 10 positions leave the bound near 2^-31
+    fractions = {"dropout_fraction": 0.05, "corrupt_fraction": 0.0}
+    k = default_k(100, threshold_fraction=0.3, **fractions)
+    assert k == 14
+    assert disconnection_bound(100, k, 0.05, 0.0) <= 2**-40
+    assert disconnection_bound(100, k - 1, 0.05, 0.0) > 2**-40
+    assert 100 * binomial_tail_below(11, 0.95, default_threshold(11, 0.3)) <= 2**-20
+    assert default_k(100, dropout_fraction=0.0, corrupt_fraction=0.0) == 2  # not a matching
+
+
 def test_regular_graph_refuses_impossible_degrees():
     for n, k in ((3, 1), (4, 4), (1, 0), (5, 0)):
         with pytest.raises(ValueError):
             regular_graph(n, k, bytes(32))
+        with pytest.raises(ValueError):
+            node_neighbours(n, k, bytes(32), 0)
+    with pytest.raises(ValueError):
+        node_neighbours(4, 3, bytes(32), 4)

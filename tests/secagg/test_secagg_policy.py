@@ -29,12 +29,11 @@ from privacy.secagg import (
     run_secagg_round,
 )
 from privacy.secagg import messages as m
-from privacy.secagg.graph import regular_graph
+from privacy.secagg.graph import SeededStream, regular_graph
 from privacy.secagg.messages import Header, MsgType, encode_setup, read_header
 
 DIM = 16
-DISCONNECTED_SEED = hashlib.sha256(b"disconnected-5514").digest()  # n = 8, k = 3: two K4s
-CUT_SEED = hashlib.sha256(b"cut-241").digest()  # n = 10, k = 3: node 0 is a cut vertex
+SEED = hashlib.sha256(b"policy").digest()
 
 
 def components(n: int, k: int, seed: bytes, without: tuple[int, ...] = ()) -> int:
@@ -53,17 +52,26 @@ def forged(n: int, k: int, t: int, seed: bytes = bytes(range(32))) -> SessionPar
     return SessionParams(tuple(range(1, n + 1)), k, t, 32, DIM, 0, 0, seed)
 
 
+def ring(n: int, seed: bytes) -> list[int]:
+    """The nodes in the order of the seed's permutation: the graph joins ring neighbours
+    up to floor(k/2) apart (:mod:`privacy.secagg.graph`)."""
+    return SeededStream(seed, b"graph-order").permutation(n).tolist()
+
+
 def test_the_forged_graphs_are_what_the_tests_say():
-    assert components(8, 3, DISCONNECTED_SEED) == 2
-    assert components(10, 3, CUT_SEED) == 1 and components(10, 3, CUT_SEED, (0,)) == 2
-    assert components(10, 3, CUT_SEED, (1,)) == 1
     assert components(4, 1, bytes(32)) == 2  # a perfect matching
+    assert components(8, 1, SEED) == 4
+    assert components(6, 2, SEED) == 1  # one cycle, which two removals split
+    order = ring(6, SEED)
+    assert components(6, 2, SEED, (order[0], order[3])) == 2
+    order = ring(10, SEED)  # k = 4: two runs of two positions split it, one run does not
+    assert components(10, 4, SEED, tuple(order[p] for p in (0, 1, 5, 6))) == 2
+    assert components(10, 4, SEED, tuple(order[p] for p in (0, 1, 5))) == 1
 
 
 HOSTILE_SETUPS = [
     ("k = 1, t = 1 (a perfect matching)", forged(4, 1, 1), "k = 1 neighbours is below"),
     ("k = 2 (cycles)", forged(6, 2, 2), "k = 2 neighbours is below the minimum 3"),
-    ("a disconnected graph", forged(8, 3, 2, DISCONNECTED_SEED), "is disconnected"),
     ("t = k/2", forged(5, 4, 2), "threshold t = 2 is not more than half of k = 4"),
     ("t = 1 on the full graph", forged(4, 3, 1), "threshold t = 1 is not more than half"),
     ("two clients (full graph k = 1)", forged(2, 1, 1), "2 participants can never give"),
@@ -86,6 +94,19 @@ def test_every_client_refuses_a_setup_below_policy(config, fragment):
 def test_the_server_refuses_to_run_a_session_below_policy(config, fragment):
     with pytest.raises(ValueError, match=fragment):
         SecAggServer(config)
+
+
+def test_a_disconnected_graph_is_refused_where_the_minimum_degree_is_lowered():
+    # a Harary graph is k-connected: only k = 1 (a matching) is disconnected, and the
+    # default policy refuses it for its degree first
+    policy = SecAggPolicy(min_neighbors=1, min_survivors=2, require_majority=False)
+    config = forged(8, 1, 1, SEED)
+    for c in config.participants:
+        with pytest.raises(ProtocolError, match="8, k = 1\\) from the seed is disconnected"):
+            SecAggClient(c, policy=policy).handle(encode_setup(config, c))
+    with pytest.raises(ValueError, match="is disconnected"):
+        SecAggServer(config, policy)
+    assert policy.violation(forged(2, 1, 1, SEED)) is None  # two nodes: one edge
 
 
 @pytest.mark.parametrize(("n", "k", "t"), [(3, 2, 2), (4, 3, 2), (8, 3, 2), (10, 4, 3)])
@@ -121,14 +142,21 @@ def test_a_client_raises_its_own_minimums_and_never_lowers_them():
             DEFAULT_POLICY.raised(**lower)
 
 
-def test_create_draws_again_until_the_graph_is_connected(monkeypatch):
-    draws = iter([DISCONNECTED_SEED, DISCONNECTED_SEED, CUT_SEED[:16] * 2])
-    monkeypatch.setattr(params.os, "urandom", lambda size: next(draws))
-    config = SessionParams.create(range(1, 9), DIM, k=3, t=2)
-    assert config.seed == CUT_SEED[:16] * 2
-    assert components(8, 3, config.seed) == 1
-    kept = SessionParams.create(range(1, 9), DIM, k=3, t=2, seed=DISCONNECTED_SEED)
-    assert kept.seed == DISCONNECTED_SEED  # an explicit seed is kept (and then refused)
+def test_create_draws_one_seed_whose_graph_is_connected(monkeypatch):
+    draws = []
+
+    def urandom(size: int) -> bytes:
+        draws.append(hashlib.sha256(b"draw %d" % len(draws)).digest()[:size])
+        return draws[-1]
+
+    monkeypatch.setattr(params.os, "urandom", urandom)
+    for n in (8, 9, 10, 40):
+        draws.clear()
+        config = SessionParams.create(range(1, n + 1), DIM, k=4, t=3)
+        assert draws == [config.seed]  # drawn once: every seed's graph is 4-connected
+        assert components(n, 4, config.seed) == 1
+    kept = SessionParams.create(range(1, 9), DIM, k=3, t=2, seed=SEED)
+    assert kept.seed == SEED  # an explicit seed is kept
 
 
 @pytest.mark.parametrize("n", [3, 4, 6, 10, 60])
@@ -214,24 +242,29 @@ def test_the_default_server_reveals_no_sum_of_two(make_inputs):
 
 
 def test_the_server_aborts_when_the_survivors_graph_splits(make_inputs):
-    # node 0 (client 1) is a cut vertex of a connected 3-regular graph on 10 nodes: if it
-    # drops after masking, every secret still has t = 2 holders, but the server could
-    # unmask each side's sum on its own
+    # k = 4 on 10 nodes: the clients at ring positions 0, 1 and 5, 6 (two runs of
+    # h = 2) drop after masking; with t = 2 every secret still has t holders, but
+    # positions 2-4 and 7-9 are apart and the server could unmask each side's sum on its
+    # own. (With t > k/2 a survivor next to a run of h keeps k - h < t neighbours, and
+    # the round would abort for that too; the connectivity check comes first.)
+    policy = SecAggPolicy(require_majority=False)
     inputs = make_inputs(10, DIM, 32)
+    client = [u + 1 for u in ring(10, SEED)]  # the client at each position
     seen = []
 
     def spy(stage, sender, receiver, payload):
         seen.append(read_header(payload).kind)
         return payload
 
-    total, server = run_secagg_round(inputs, k=3, t=2, seed=CUT_SEED,
-                                     drop={1: Stage.MASKED_INPUT}, intercept=spy)
+    drop = {client[p]: Stage.MASKED_INPUT for p in (0, 1, 5, 6)}
+    total, server = run_secagg_round(inputs, k=4, t=2, seed=SEED, drop=drop, intercept=spy,
+                                     policy=policy)
     assert total is None and server.status is Status.ABORTED
     assert "survivors' graph is disconnected" in server.abort_reason
     assert MsgType.UNMASK_REQUEST not in seen
-    total, server = run_secagg_round(inputs, k=3, t=2, seed=CUT_SEED,
-                                     drop={2: Stage.MASKED_INPUT})
-    assert server.status is Status.COMPLETED  # another dropout leaves it connected
+    drop.pop(client[6])  # one run of two positions: still connected
+    total, server = run_secagg_round(inputs, k=4, t=2, seed=SEED, drop=drop, policy=policy)
+    assert server.status is Status.COMPLETED
 
 
 def test_the_server_aborts_early_when_too_few_are_left_after_the_key_stages(make_inputs):
