@@ -35,7 +35,7 @@ of merit is each secure variant's median warm round over the plain one's (target
 2). A secure round is four exchanges between the server and the SuperNodes (five with
 the consistency check; a plain round is one), each waiting for the SuperNodes' next pull:
 ``--pull-interval`` sets their idle pull interval (default 0.2 s, as ``fedring deploy
-up``).
+up``); within 3 s of a reply they pull every 0.05 s (``client.supernode``).
 
     python benchmarks/deploy_latency.py [--quick] [--rounds R] [--modes fedring,flower]
     python benchmarks/deploy_latency.py --secure [--quick] [--rounds R] [--pull-interval S]
