@@ -145,14 +145,18 @@ def plot(path: Path, rates: dict[str, float], per_seed: dict[int, dict[str, dict
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def color(name: str) -> str:  # one colour per kind of system, in every panel
+        return ("tab:red" if name.startswith("sma") else "tab:orange" if name.endswith("_kept")
+                else "tab:gray" if name in ("one_b8", "one_b16") else "tab:blue")
+
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
-    left.bar(list(rates), list(rates.values()), color=["tab:red", "tab:blue", "tab:gray"])
+    left.bar(list(rates), list(rates.values()), color=[color(n) for n in rates])
     left.set_ylabel("samples / s (one thread)")
     left.set_title("throughput")
     first = next(iter(per_seed))
     for name, run in per_seed[first].items():
         xs, ys = zip(*run["curve"], strict=True) if run["curve"] else ((), ())
-        mid.plot(xs, ys, marker="o", label=name)
+        mid.plot(xs, ys, marker="o", label=name, color=color(name))
     mid.axhline(target, color="k", linestyle=":", label=f"target {target}")
     mid.set_xlabel("training seconds")
     mid.set_ylabel("test accuracy")
@@ -163,7 +167,8 @@ def plot(path: Path, rates: dict[str, float], per_seed: dict[int, dict[str, dict
     for i, name in enumerate(names):
         secs = [(run[name]["reached"] or {"seconds": math.nan})["seconds"]
                 for run in per_seed.values()]
-        right.bar([s + i * width for s in range(len(per_seed))], secs, width, label=name)
+        right.bar([s + i * width for s in range(len(per_seed))], secs, width, label=name,
+                  color=color(name))
     right.set_xticks([s + 0.4 - width / 2 for s in range(len(per_seed))],
                      [str(s) for s in per_seed])
     right.set_xlabel("seed")
