@@ -21,9 +21,10 @@ float32 delta of d coordinates, so only aggregation and protocol costs are measu
   client pays every Ed25519 verification and graph it would pay in its own process;
 - flower: Flower 1.41's SecAggPlusWorkflow on its legacy path (DefaultWorkflow, FedAvg
   strategy, NumPyClient with ``secaggplus_mod``), num_shares = 3 (each client shares with
-  2 neighbours), num_shares = fedring's automatic k at that N ("auto", threshold its t;
-  Flower counts the client itself among its shares, so it has k - 1 neighbours) and
-  num_shares = all (1.0). "3" and "auto" run once per repetition right after the
+  2 neighbours), num_shares = fedring's automatic k at that N, made odd ("auto", threshold
+  its t: Flower's ring gives each client num_shares // 2 peers on each side, so k peers
+  for an even k, k - 1 for an odd one, as 2 for num_shares = 3) and num_shares = all
+  (1.0). "3" and "auto" run once per repetition right after the
   fedring rounds of k = 3 and auto k (so that they see the same load; a Flower round
   stopped at ``--flower-limit`` is not repeated: its limit is a lower bound), "all" once.
 
@@ -229,7 +230,6 @@ def flower_round(client_app: Timed, grid: InProcessGrid, n: int, d: int,
     its reconstruction threshold (default 2 for 3 shares, else a majority of n)."""
     from flwr.common import ndarrays_to_parameters
     from flwr.server import LegacyContext, ServerConfig
-    from flwr.server.strategy import FedAvg
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
 
     if threshold is None:
@@ -243,14 +243,30 @@ def flower_round(client_app: Timed, grid: InProcessGrid, n: int, d: int,
         inner(grid_, context)
         spent.append(time.perf_counter() - started)
 
-    strategy = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n,
-                      min_available_clients=n,
-                      initial_parameters=ndarrays_to_parameters([np.zeros(d, np.float32)]))
+    strategy = flower_fedavg()(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n,
+                               min_available_clients=n, initial_parameters=ndarrays_to_parameters(
+                                   [np.zeros(d, np.float32)]))
     context = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                     run_config={}),
                             config=ServerConfig(num_rounds=1), strategy=strategy)
     DefaultWorkflow(fit_workflow=timed_fit)(grid, context)
+    if not strategy.aggregated:
+        raise RuntimeError("Flower's secure aggregation halted without a result")
     return spent[0]
+
+
+def flower_fedavg() -> Any:
+    """Flower's FedAvg, noting whether it aggregated (a halted SecAgg+ round does not)."""
+    from flwr.server.strategy import FedAvg
+
+    class Noting(FedAvg):
+        aggregated = False
+
+        def aggregate_fit(self, server_round: int, results: Any, failures: Any) -> Any:
+            self.aggregated = bool(results)
+            return super().aggregate_fit(server_round, results, failures)
+
+    return Noting
 
 
 def own_configs(app: Callable[[Message, Context], Message]
@@ -299,7 +315,11 @@ def flower_in_child(inputs: dict[int, tuple[np.ndarray, int]], n: int, d: int,
         fapp = Timed(flower_client_app(inputs))
         grid = InProcessGrid(own_configs(fapp), n)
         cpu = time.process_time()
-        wall = flower_round(fapp, grid, n, d, shares, threshold)
+        try:
+            wall = flower_round(fapp, grid, n, d, shares, threshold)
+        except RuntimeError as exc:
+            writer.send({"error": str(exc)})
+            return
         writer.send({"round_s": wall, "round_cpu_s": time.process_time() - cpu,
                      "client_cpu_s": median_client_cpu(fapp)})
 
@@ -381,9 +401,11 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
         grids[(1, True)] = InProcessGrid(app, n, mask_threads=1, pki=pki)
     auto_k, auto_t = SecAggScenarioConfig(enabled=True, neighbors="auto",
                                           clip_range=CLIP).graph(n)
+    auto_shares = auto_k | 1  # Flower's num_shares is odd: num_shares // 2 peers each side
     # Flower paired with a fedring graph: run after its rounds in each repetition
     paired = {variant: cfg for variant, cfg in (("k3", ("flower_shares3", 3, 2)),
-                                                ("auto", ("flower_shares_auto", auto_k, auto_t)))
+                                                ("auto", ("flower_shares_auto", auto_shares,
+                                                          auto_t)))
               if flower and cfg[0].removeprefix("flower_shares").lstrip("_") in flower_shares}
     flower_runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     rnd = 1
@@ -419,7 +441,7 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
                                      out))
             if variant in paired:  # Flower at the same k, under the same load
                 fname, shares, threshold = paired[variant]
-                if not any("timed_out_after_s" in f for f in flower_runs[fname]):
+                if not any("round_s" not in f for f in flower_runs[fname]):
                     flower_runs[fname].append(flower_in_child(inputs, n, d, shares, limit,
                                                               threshold))
                     gc.collect()
@@ -507,7 +529,7 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
     gc.collect()
 
     if flower:
-        for name, shares in (("flower_shares3", 3), ("flower_shares_auto", auto_k),
+        for name, shares in (("flower_shares3", 3), ("flower_shares_auto", auto_shares),
                              ("flower_shares_all", 1.0)):
             if name.removeprefix("flower_shares").lstrip("_") not in flower_shares:
                 continue
@@ -519,13 +541,15 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
             row[name] = {"num_shares": n if shares == 1.0 else shares, **best}
             if name.endswith("auto"):
                 row[name]["reconstruction_threshold"] = auto_t
+                row[name]["neighbours"] = 2 * (auto_shares // 2)
             if done:
                 row[name]["round_s_each"] = [f["round_s"] for f in done]
                 row[name]["round_s_median"] = statistics.median(f["round_s"] for f in done)
             got = row[name]
             log(f"N={n} d={d} {name} " + (f"{got['round_s']:.3f} s, client "
                                           f"{got['client_cpu_s'] * 1e3:.1f} ms"
-                                          if "round_s" in got else f"over {limit:g} s"))
+                                          if "round_s" in got else got.get("error",
+                                                                           f"over {limit:g} s")))
     return row
 
 
@@ -588,6 +612,8 @@ def malicious_targets(r: dict[str, Any]) -> dict[str, Any]:
             if f is None or ours is None:
                 continue
             flower_s = f.get("round_s", f.get("timed_out_after_s"))
+            if flower_s is None:  # Flower's round failed
+                continue
             flower_med = f.get("round_s_median", flower_s)
             ours_med = statistics.median(ours["round_s_each"])
             out[f"{variant}_malicious_vs_{flower_name}_N100_d1M_{label}"] = {
