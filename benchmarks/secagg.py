@@ -341,7 +341,7 @@ def flower_in_child(inputs: dict[int, tuple[np.ndarray, int]], n: int, d: int,
 
 def graph_seconds(n: int, k: int) -> float:
     """CPU seconds for one client to derive its own neighbours without the memo (the
-    seed's permutation, O(n), and its row, O(k)): what a client in its own process pays
+    seed's permutation, a sort of n keys, and its row, O(k)): what a client in its own process pays
     on top of ``client_cpu_s`` (the clients of one process share the permutation); 0 for
     the full graph (nothing to derive)."""
     if k >= n - 1:

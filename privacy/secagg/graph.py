@@ -73,8 +73,8 @@ def _placement(n: int, seed: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 
 def node_neighbours(n: int, k: int, seed: bytes, node: int) -> np.ndarray:
-    """The neighbours of ``node`` (sorted node indices): O(n) for the permutation, memoized
-    per (n, seed), and O(k) for the row."""
+    """The neighbours of ``node`` (sorted node indices): the permutation (a keystream of n
+    words and their numpy argsort), memoized per (n, seed), then O(k) for the row."""
     _check(n, k)
     if not 0 <= node < n:
         raise ValueError(f"node {node} is not in 0..{n - 1}")
