@@ -89,8 +89,8 @@ class SiloWorker:
     data: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tests: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = field(
         default_factory=dict)  # held-out splits, on the device
-    learners: dict[int, LearnerState] = field(
-        default_factory=dict)  # per partition: this process's SMA learners between rounds
+    learners: dict[tuple[int, int], LearnerState] = field(
+        default_factory=dict)  # per (run, partition): this process's SMA learners
 
     @classmethod
     def build(cls, task: ClientTask, device: torch.device) -> SiloWorker:
@@ -112,6 +112,13 @@ class SiloWorker:
             self.tests[pid] = None if held is None or len(held[1]) == 0 else (
                 held[0].to(self.device), held[1].to(self.device))
         return self.tests[pid]
+
+    def learner_state(self, run: int, pid: int) -> LearnerState:
+        """This process's SMA learners of partition ``pid`` between the rounds of run
+        ``run`` (another run's are dropped: a run starts its learners afresh)."""
+        if any(r != run for r, _ in self.learners):
+            self.learners = {k: v for k, v in self.learners.items() if k[0] == run}
+        return self.learners.setdefault((run, pid), LearnerState())
 
     def to_module(self) -> None:
         """Copy the host vector into the training module (a no-op on the CPU)."""
@@ -147,7 +154,7 @@ class Group(Protocol):
     size: int
 
     def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
-              learners: LearnerSpec | None = None) -> float: ...
+              learners: LearnerSpec | None = None, run: int = 0) -> float: ...
 
 
 def update_problem(delta: np.ndarray, max_norm: float) -> tuple[str | None, float]:
@@ -215,11 +222,11 @@ class SiloClient(FedringClient):
         metrics = MetricRecord({MetricKey.NUM_EXAMPLES: len(x)})
         learners = LearnerSpec.of(config)
         if self.group is not None and self.group.size > 1:
-            loss = self.group.train(worker, key, pid, seed, learners)
+            loss = self.group.train(worker, key, pid, seed, learners, context.run_id)
         elif learners.learners > 1:
             try:
                 loss = train_learners(worker.module, x, y, cfg, learners, seed=seed,
-                                      state=worker.learners.setdefault(pid, LearnerState()))
+                                      state=worker.learner_state(context.run_id, pid))
             except ValueError as exc:
                 raise WireError(str(exc)) from None
         elif cfg.dp_sgd:  # composed with this silo's earlier rounds

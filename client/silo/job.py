@@ -36,7 +36,7 @@ import torch.distributed as dist
 from client.executor import WarmExecutor
 from client.protocol.learners import LearnerSpec
 from client.silo.app import SiloClient, SiloWorker, WorkerCache, make_silo_client_app
-from client.silo.learners import LearnerState, check_correction, check_learners, train_learners
+from client.silo.learners import check_correction, check_learners, train_learners
 from client.silo.options import DEVICES, add_worker_options
 from client.silo.ring import loopback_interface, warm_up
 from client.silo.training import check_silo_training, train_ddp
@@ -84,10 +84,10 @@ class SiloGroup:
         return json.loads(self.store.get(key))
 
     def train(self, worker: SiloWorker, task_key: str, pid: int, seed: int,
-              learners: LearnerSpec | None = None) -> float:
+              learners: LearnerSpec | None = None, run: int = 0) -> float:
         """Leader: train ``worker``'s module with every rank of the silo (DDP, or SMA
         learners when ``learners`` asks for more than one), on the partition less its
-        held-out split."""
+        held-out split. ``run``: the Flower run (each rank keeps its learners per run)."""
         check_silo_training(worker.task.train_config)  # before any follower starts
         command: dict[str, Any] = {"op": "train", "task": task_key, "partition": pid,
                                    "seed": seed}
@@ -95,8 +95,9 @@ class SiloGroup:
             check_learners(worker.module, worker.task.train_config)  # likewise
             check_correction(learners, self.size)
             command["learners"] = asdict(learners)
+            command["run"] = run
         self.publish(command)
-        return train_rank(worker, pid, seed, learners)
+        return train_rank(worker, pid, seed, learners, run)
 
     def stop(self) -> None:
         """Leader: tell the followers to exit."""
@@ -112,12 +113,12 @@ def follow(group: SiloGroup, workers: WorkerCache) -> int:
             return done
         worker = workers.get(cmd["task"])
         spec = LearnerSpec(**cmd["learners"]) if "learners" in cmd else None
-        train_rank(worker, int(cmd["partition"]), int(cmd["seed"]), spec)
+        train_rank(worker, int(cmd["partition"]), int(cmd["seed"]), spec, int(cmd.get("run", 0)))
         done += 1
 
 
-def train_rank(worker: SiloWorker, pid: int, seed: int, learners: LearnerSpec | None
-               ) -> float:
+def train_rank(worker: SiloWorker, pid: int, seed: int, learners: LearnerSpec | None,
+               run: int = 0) -> float:
     """This rank's part of the silo's training on partition ``pid``: DDP, or SMA learners
     from rank 0's model (this rank's learners kept between rounds)."""
     x, y = worker.partition(pid)
@@ -127,7 +128,7 @@ def train_rank(worker: SiloWorker, pid: int, seed: int, learners: LearnerSpec | 
         for p in worker.module.parameters():
             dist.broadcast(p, src=0)
     return train_learners(worker.module, x, y, worker.task.train_config, learners, seed=seed,
-                          state=worker.learners.setdefault(pid, LearnerState()))
+                          state=worker.learner_state(run, pid))
 
 
 class SiloExecutor(WarmExecutor):

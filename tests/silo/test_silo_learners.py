@@ -121,6 +121,20 @@ def test_a_state_of_other_learners_or_another_model_is_not_carried() -> None:
     assert state.offsets is not None and tuple(state.offsets.shape) == (4, 195)
 
 
+def test_a_silo_process_keeps_learners_per_partition_for_the_current_run_only() -> None:
+    from silo_helpers import scenario
+
+    from client.silo.app import SiloWorker
+    from simulations.task import ScenarioTask
+
+    worker = SiloWorker.build(ScenarioTask.from_config(scenario(rounds=1)), torch.device("cpu"))
+    first = worker.learner_state(1, 0)
+    assert worker.learner_state(1, 0) is first  # the next round of the run: the same
+    assert worker.learner_state(1, 2) is not first  # another partition: its own
+    fresh = worker.learner_state(2, 0)  # a new run starts afresh and drops the old run's
+    assert fresh is not first and set(worker.learners) == {(2, 0)}
+
+
 def test_the_sum_of_the_silos_corrections_may_not_overshoot() -> None:
     check_correction(LearnerSpec(2, correction=0.25), 2)  # 4 learners, 4 * 0.25 = 1
     with pytest.raises(ValueError, match=r"silo\.sma_correction"):
