@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run seeds of the time-to-target runs, e.g. 0-2,5 (default 0-7)")
     parser.add_argument("--lr", type=float, default=None, help="train.lr of every system "
                         "(default: the scenario's)")
-    parser.add_argument("--sma-correction", type=float, default=SiloConfig().sma_correction)
+    parser.add_argument("--sma-correction", type=float, default=None,
+                        help="alpha (default: silo.sma_correction's \"auto\", 1 / L)")
     parser.add_argument("--sma-momentum", type=float, default=SiloConfig().sma_momentum)
     parser.add_argument("--no-throughput", action="store_true", help="time to target only")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "crossbow.png")
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                                    max_epochs, sma)
     result = {
         "benchmark": "crossbow", "quick": args.quick, "examples": len(x),
-        "sma_correction": sma[0], "sma_momentum": sma[1], "lr": train_cfg["lr"],
+        "sma_correction": sma[0] if sma[0] is not None else "auto",
+        "sma_momentum": sma[1], "lr": train_cfg["lr"],
         "momentum": train_cfg["momentum"], "target": args.target, "seeds": seeds,
         "samples_per_s": rates,
         "throughput_ratio_L4_b8_over_one_b8": (rates["sma_L4_b8"] / rates["one_b8"]

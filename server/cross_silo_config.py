@@ -10,7 +10,8 @@ cannot honour, at start, naming the key to change. With
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from aggregation.gossip import TOPOLOGIES
 from aggregation.ring import ALGORITHMS
@@ -37,8 +38,10 @@ class SiloConfig:
     ``learners`` > 1 trains that many replicas per silo process, synchronised by
     synchronous model averaging (Crossbow's SMA, ``client.silo.learners``): each step
     every learner moves ``sma_correction`` (alpha) of the way towards the silo's average
-    model, which takes the mean of those corrections plus ``sma_momentum`` (mu) times its
-    previous step. ``learners`` = 1 is DDP, unchanged.
+    model, which moves by the sum of those corrections plus ``sma_momentum`` (mu) times its
+    previous step (Crossbow's Algorithm 1), so alpha times the silo's learners (processes x
+    ``learners``) is at most 1; "auto" (the default) is 1 / the silo's learners, which
+    moves the average model to the learners' mean. ``learners`` = 1 is DDP, unchanged.
     """
 
     rendezvous_host: str = "127.0.0.1"
@@ -48,8 +51,8 @@ class SiloConfig:
     algorithm: str = "ring"
     backend: str = "gloo"
     learners: int = 1
-    sma_momentum: float = 0.5  # both measured best of a small grid: benchmarks/crossbow.py
-    sma_correction: float = 0.25
+    sma_momentum: float = 0.5  # measured best of a small grid: benchmarks/crossbow.py
+    sma_correction: Any = field(default_factory=lambda: "auto")  # a number or "auto"
 
     def __post_init__(self) -> None:
         self.learner_spec()  # bounds: LearnerSpec, which the silos read back
@@ -67,8 +70,16 @@ class SiloConfig:
 
     def learner_spec(self) -> LearnerSpec:
         """What the silos' training messages carry (``client.protocol.learners``)."""
+        correction = self.sma_correction
+        if correction == "auto":
+            correction = None
+        elif isinstance(correction, bool) or not isinstance(correction, int | float):
+            raise ValueError(f"silo.sma_correction must be a number in (0, 1 / "
+                             f"silo.learners] or \"auto\", got {correction!r}")
+        else:
+            correction = float(correction)
         return LearnerSpec(learners=self.learners, momentum=self.sma_momentum,
-                           correction=self.sma_correction)
+                           correction=correction)
 
     def failure_grace_s(self) -> float:
         """How long the server waits, once a silo reported a failure, for a silo still

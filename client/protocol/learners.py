@@ -27,11 +27,12 @@ class LearnerKey(Names):
 
 @dataclass(frozen=True)
 class LearnerSpec:
-    """``learners`` replicas per process, synchronised by SMA (``momentum``, ``correction``)."""
+    """``learners`` replicas per process, synchronised by SMA (``momentum``, ``correction``;
+    a ``correction`` of None is "auto": 1 / the silo's learners, :meth:`alpha`)."""
 
     learners: int = 1
     momentum: float = 0.0
-    correction: float = 0.1
+    correction: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.learners, bool) or not isinstance(self.learners, int) \
@@ -39,18 +40,30 @@ class LearnerSpec:
             raise ValueError(f"silo.learners must be an integer >= 1, got {self.learners!r}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"silo.sma_momentum must be in [0, 1), got {self.momentum!r}")
-        if not 0 < self.correction <= 1 / self.learners:
+        if self.correction is not None and not 0 < self.correction <= 1 / self.learners:
             raise ValueError(f"silo.sma_correction must be in (0, 1 / silo.learners] = "
                              f"(0, {1 / self.learners:.4g}], got {self.correction!r}: the "
                              "average model moves by the sum of the learners' corrections, "
                              "and above that it overshoots their mean")
 
+    def alpha(self, processes: int) -> float:
+        """Each learner's step towards the average model in a silo of ``processes``
+        processes: ``correction``, or under "auto" 1 / (processes x learners), which moves
+        the average model to the learners' mean (Crossbow's 1/L)."""
+        if self.correction is not None:
+            return self.correction
+        return 1.0 / (processes * self.learners)
+
     def config(self) -> dict[str, Any]:
-        """The keys a training message carries (none for one learner: DDP)."""
+        """The keys a training message carries (none for one learner: DDP; no correction
+        under "auto")."""
         if self.learners == 1:
             return {}
-        return {LearnerKey.LEARNERS: self.learners, LearnerKey.MOMENTUM: self.momentum,
-                LearnerKey.CORRECTION: self.correction}
+        keys: dict[str, Any] = {LearnerKey.LEARNERS: self.learners,
+                                LearnerKey.MOMENTUM: self.momentum}
+        if self.correction is not None:
+            keys[LearnerKey.CORRECTION] = self.correction
+        return keys
 
     def refusal(self, train: Mapping[str, Any]) -> str | None:
         """Why the ``[train]`` settings ``train`` cannot run with these learners, or None."""
@@ -76,6 +89,7 @@ class LearnerSpec:
         try:
             return cls(learners=config[LearnerKey.LEARNERS],  # type: ignore[arg-type]
                        momentum=float(config[LearnerKey.MOMENTUM]),  # type: ignore[arg-type]
-                       correction=float(config[LearnerKey.CORRECTION]))  # type: ignore[arg-type]
+                       correction=(float(config[LearnerKey.CORRECTION])  # type: ignore[arg-type]
+                                   if LearnerKey.CORRECTION in config else None))
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"bad learner keys in the train config: {exc}") from None

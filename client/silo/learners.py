@@ -96,11 +96,11 @@ def check_learners(module: torch.nn.Module, cfg: TrainConfig) -> None:
 def check_correction(spec: LearnerSpec, processes: int) -> None:
     """The sum of ``processes * L`` corrections must not overshoot the learners' mean."""
     total = spec.learners * processes
-    if spec.correction * total > 1:
+    if spec.correction is not None and spec.correction * total > 1:
         raise ValueError(f"silo.sma_correction = {spec.correction:g} with {total} learners "
                          f"in the silo ({processes} processes x {spec.learners}): the average "
                          "model would overshoot the learners' mean; set silo.sma_correction "
-                         f"<= {1 / total:.4g}")
+                         f"<= {1 / total:.4g}, or to \"auto\" (1 / the silo's learners)")
 
 
 def batch_plan(n: int, cfg: TrainConfig, seed: int, total: int, device: torch.device
@@ -174,6 +174,7 @@ def train_learners(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     world = dist.get_world_size(group) if distributed else 1
     count, total = spec.learners, spec.learners * world
     check_correction(spec, world)
+    alpha = spec.alpha(world)
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     params = dict(module.named_parameters())
     start = torch.cat([params[n].detach().reshape(-1) for n in names])
@@ -208,7 +209,7 @@ def train_learners(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             else:
                 buf = torch.where(on, cfg.momentum * buf + step, buf)
             step = buf if full[s] else buf * on
-        torch.sub(w, z, out=c).mul_(spec.correction)  # c_j, at the pre-step w_j
+        torch.sub(w, z, out=c).mul_(alpha)  # c_j, at the pre-step w_j
         w.sub_(step, alpha=cfg.lr).sub_(c)
         torch.sum(c, dim=0, out=c_sum)
         if world > 1:

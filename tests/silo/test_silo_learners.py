@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import ConfigRecord
 from silo_helpers import ROOT
 from sma_reference import reference_sma
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
@@ -17,6 +18,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from client.protocol.learners import LearnerKey, LearnerSpec
 from client.silo.learners import LearnerState, check_correction, check_learners, train_learners
 from client.training import TrainConfig
+from server.cross_silo_config import SiloConfig
 
 WORKER = Path(__file__).parent / "sma_worker.py"
 # 101 examples in batches of 10: 11 batches, dealt 4 (or 2 x 2) a step, the last step short
@@ -142,6 +144,33 @@ def test_the_sum_of_the_silos_corrections_may_not_overshoot() -> None:
     with pytest.raises(ValueError, match=r"silo\.sma_correction"):
         LearnerSpec(4, correction=0.3)  # checked at start: alpha * L <= 1
     assert LearnerSpec(1, correction=1.0).correction == 1.0  # one learner: z is it
+
+
+def test_auto_correction_is_one_over_the_silos_learners() -> None:
+    spec = SiloConfig(learners=8, sma_momentum=0.5).learner_spec()  # the defaults
+    assert spec.correction is None
+    check_correction(spec, 3)  # 24 learners: "auto" never overshoots
+    assert spec.alpha(1) == 1 / 8 and spec.alpha(3) == 1 / 24
+    assert LearnerSpec(4, correction=0.2).alpha(3) == 0.2  # a set alpha stays as set
+    assert LearnerKey.CORRECTION not in spec.config()  # "auto" rides as no key ...
+    assert LearnerSpec.of(ConfigRecord(spec.config())) == spec  # ... and is read back
+    with pytest.raises(ValueError, match=r"silo\.sma_correction"):
+        SiloConfig(learners=2, sma_correction="half")
+
+
+def test_auto_correction_trains_as_its_value_set_by_hand() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(96, 6), torch.randint(0, 3, (96,))
+    cfg = TrainConfig(local_epochs=1, batch_size=8, lr=0.1, optimizer="sgd", momentum=0.9)
+    models = []
+    for correction in (None, 0.25):
+        torch.manual_seed(1)  # the same start for both
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(),
+                                    torch.nn.Linear(5, 3))
+        train_learners(model, x, y, cfg, LearnerSpec(4, momentum=0.5, correction=correction),
+                       seed=3)
+        models.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert torch.equal(models[0], models[1])
 
 
 def test_two_processes_follow_the_plain_loop_with_the_learners_split(tmp_path: Path) -> None:
