@@ -4,6 +4,8 @@ advertisement digest kept in its saved state, and the encodings made once per st
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,7 @@ from privacy.secagg.server import SecAggServer
 N, DIM, BITS = 12, 16, 32
 IDENTITIES = {c: Identity.generate() for c in range(1, N + 1)}
 TRUST_ALL = TrustedKeys(i.public for i in IDENTITIES.values())
+Rewrite = Callable[[int, bytes], bytes]  # (client, message) -> the message delivered
 
 
 def inputs(n: int = N) -> list[np.ndarray]:
@@ -46,7 +49,7 @@ class Round:
         client.set_input(self.inputs[c - 1])
         return client
 
-    def step(self, to_client=None, to_server=None) -> None:  # noqa: ANN001
+    def step(self, to_client: Rewrite | None = None, to_server: Rewrite | None = None) -> None:
         for c, payload in self.outbox.items():
             if c in self.errors:
                 continue
@@ -70,7 +73,7 @@ class Round:
             self.server.receive(c, reply)
         self.outbox = self.server.advance()
 
-    def run(self, to_client=None, to_server=None) -> None:  # noqa: ANN001
+    def run(self, to_client: Rewrite | None = None, to_server: Rewrite | None = None) -> None:
         while self.server.status is Status.RUNNING:
             self.step(to_client, to_server)
 
@@ -124,7 +127,7 @@ def _swap_last_signature(block: bytes) -> bytes:
     return msg.encode_signed_sets(tuple(sets))
 
 
-def _with_block(payload: bytes, change) -> bytes:  # noqa: ANN001
+def _with_block(payload: bytes, change: Callable[[bytes], bytes]) -> bytes:
     h, m, block = msg.decode_unmask_head(payload, signed=True)
     return msg.encode_unmask_request(h, m, signed=True, block=change(block))
 
