@@ -281,8 +281,17 @@ def stat_bounds(record: ConfigRecord) -> tuple[float, float] | None:
 
 def count_clipped(delta: np.ndarray, clip_range: float) -> int:
     """How many coordinates of ``delta`` lie outside [-clip_range, clip_range] (compared in
-    float64, as the encoding clips)."""
-    return int(np.count_nonzero(np.abs(delta) > np.float64(clip_range)))
+    float64, as the encoding clips).
+
+    A float32 ``delta`` is compared in float32 against the largest float32 c <= clip_range,
+    without a float64 copy: for a float32 x, x > clip_range exactly when x > c (if
+    clip_range is not a float32, the next float32 above c is above it too)."""
+    if delta.dtype != np.float32:
+        return int(np.count_nonzero(np.abs(delta) > np.float64(clip_range)))
+    c = np.float32(clip_range)
+    if float(c) > clip_range:  # rounded up: step down to the float32 below
+        c = np.nextafter(c, np.float32(-np.inf))
+    return int(np.count_nonzero(delta > c)) + int(np.count_nonzero(delta < -c))
 
 
 def _loss(metrics: MetricRecord) -> float | None:
