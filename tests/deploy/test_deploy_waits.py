@@ -98,7 +98,10 @@ def _pull_twice_unavailable(monkeypatch) -> list[float]:
 def test_grid_retries_a_missing_reply_object_after_the_poll(monkeypatch) -> None:
     from flwr.superlink.grid import http_grid
 
-    monkeypatch.setattr(http_grid, "pull_objects", http_grid.pull_objects)  # restored after
+    # Flower's own function (an earlier collect() in this process may have patched it),
+    # the module's state restored after
+    original = getattr(http_grid.pull_objects, "func", http_grid.pull_objects)
+    monkeypatch.setattr(http_grid, "pull_objects", original)
     assert _pull_twice_unavailable(monkeypatch) == [1.0, 2.0]  # Flower's: 1 s, doubling
     grid = SimpleNamespace(pull_messages=lambda ids: [])
     assert collect(grid, ["m1"], timeout=0.0, poll=0.05, on_reply=print) == ["m1"]
