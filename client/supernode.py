@@ -25,11 +25,10 @@ from collections.abc import Callable
 from client.protocol.flower_compat import (
     FLOWER_IDLE_SLEEP_S,
     FLOWER_REPLY_SLEEP_S,
+    OBJECT_RETRY_CAP_S,
     run_flower_supernode,
     shorten_supernode_waits,
 )
-
-OBJECT_RETRY_CAP_S = 0.2  # the longest wait between pulls of a message's missing object
 
 
 def make_sleep(pull_s: float, reply_s: float,

@@ -19,9 +19,7 @@ from collections.abc import Callable, Iterable, Set
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from client.protocol.flower_compat import shorten_grid_object_retries
-
-OBJECT_RETRY_CAP_S = 0.2  # the longest wait between retries of a reply's missing object
+from client.protocol.flower_compat import OBJECT_RETRY_CAP_S, shorten_grid_object_retries
 
 
 def push(grid: Grid, messages: list[Message]) -> dict[str, int]:

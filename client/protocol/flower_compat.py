@@ -297,6 +297,12 @@ def shorten_supernode_waits(sleep: Callable[[float], None], initial_backoff: flo
         loop.pull_objects, initial_backoff=initial_backoff, backoff_cap=backoff_cap)
 
 
+#: The longest wait between two pulls of a message object not yet on the SuperLink, on
+#: both sides: the ServerApp's Grid (``server.grid_io``) and the SuperNode
+#: (``client.supernode``).
+OBJECT_RETRY_CAP_S = 0.2
+
+
 def shorten_grid_object_retries(initial_backoff: float, backoff_cap: float) -> bool:
     """Make a deployment's Grid retry a reply's object not yet on the SuperLink after
     ``initial_backoff`` (doubling up to ``backoff_cap``) instead of 1 s (up to 10 s).
