@@ -20,17 +20,24 @@ rounds (the first round of a run is dropped), evaluation included:
   (SQLite store, a checkpoint every round), timed from one ``round_finished`` to the next;
   ``fedring_vectorized`` is the same with ``[engine] vectorize = true``, and
   ``fedring_auto`` with ``vectorize = "auto"`` (at 1M parameters: one client at a time).
+  Each fedring run is interleaved with a bare loop of its own, round by round: after each
+  of fedring's rounds (its clock stopped) one round of the bare loop runs, and fedring's
+  checkpoint of that round is handed to the store's writer thread only when fedring's
+  next round starts, so it overlaps fedring's round as in a run of its own, never the
+  bare round. Each warm round's ratio to the bare round beside it is one pair; a
+  repetition's figure is the median of its pairs (``paired_rounds``: all pairs pooled).
 - fedring_baseline (given ``--fedring-baseline PATH``, a checkout of an earlier fedring,
-  e.g. ``git worktree add /tmp/before <commit>``): the same fedring run, in a child
-  process importing that checkout: the before/after of a change in one run.
-- pfl: ``benchmarks/pfl_runner.py`` in the interpreter given (pfl's own venv), on the same
-  partitions, test set and initial weights.
+  e.g. ``git worktree add /tmp/before <commit>``): the same interleaved fedring run, in a
+  child process importing that checkout: the before/after of a change in one run.
+- bare_unwrapped_step and pfl (``benchmarks/pfl_runner.py`` in the interpreter given,
+  pfl's own venv, on the same partitions, test set and initial weights) run whole, each
+  as a ratio of its median warm round to the median of the bare rounds interleaved with
+  fedring in the same repetition.
 
-The systems run one after the other, ``reps`` times, and every figure is a ratio to the
-bare loop of the same repetition, so a machine whose load drifts weighs on both. Each
-round is timed twice: wall time (the workload's measure) and the process's CPU time
-(all its threads: fedring's store writer included), which a machine shared with other
-work disturbs far less; every process runs torch on one thread.
+The systems run one after the other, ``reps`` times. Each round is timed twice: wall
+time (the workload's measure) and the process's CPU time (all its threads: fedring's
+store writer included), which a machine shared with other work disturbs far less; every
+process runs torch on one thread.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +81,19 @@ def scenario(clients: int, hidden: list[int], rounds: int,
 Rounds = tuple[list[float], list[float]]  # wall and CPU seconds of each round
 
 
+def paired_ratios(system_s: list[float], bare_s: list[float]) -> list[float]:
+    """Each warm round's ratio to the bare round timed right after it."""
+    return [f / b for f, b in zip(system_s[1:], bare_s[1:], strict=True)]
+
+
+def spread_of(xs: list[float]) -> dict[str, float]:
+    """Median, quartiles and extremes of ``xs``, to 3 figures."""
+    q1, med, q3 = statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
+    return {k: float(f"{v:.3g}") for k, v in
+            {"n": len(xs), "median": med, "q1": q1, "q3": q3, "min": min(xs),
+             "max": max(xs)}.items()}
+
+
 def warm_median(round_s: list[float]) -> float:
     warm = round_s[1:] or round_s
     return statistics.median(warm) if warm else math.nan
@@ -89,6 +113,11 @@ class Clock:
             self.wall.append(now[0] - self._last[0])
             self.cpu.append(now[1] - self._last[1])
         self._last = now
+
+    def restart(self) -> None:
+        """Start the next interval now (the time since the last mark is not counted)."""
+        self._last = None
+        self.mark()
 
     def rounds(self) -> Rounds:
         return self.wall, self.cpu
@@ -119,6 +148,15 @@ class PflStyleBare:
 
     def run(self, rounds: int) -> Rounds:
         """Wall and CPU seconds of each round, central evaluation included."""
+        clock = Clock()
+        clock.mark()
+        for rnd in range(1, rounds + 1):
+            self.round(rnd)
+            clock.mark()
+        return clock.rounds()
+
+    def round(self, rnd: int) -> None:
+        """Round ``rnd``: every client's training, the FedAvg step and the evaluation."""
         from torch.nn import functional as F
 
         from client import optim_step
@@ -127,46 +165,69 @@ class PflStyleBare:
         torch, module, opt = self._torch, self.model.module, self.opt
         unwrapped = self.unwrapped_step
         batch = self.task.train_config.batch_size
-        clock = Clock()
-        clock.mark()
-        for rnd in range(1, rounds + 1):
-            self.acc.zero_()
-            total = 0
-            module.train()
-            for pid, (x, y) in enumerate(self.data):
-                self.flat.copy_(self.global_w)
-                gen = torch.Generator().manual_seed(self._seed_of(self.task.seed, rnd, pid))
-                order = torch.randperm(len(x), generator=gen)
-                for start in range(0, len(x), batch):
-                    idx = order[start:start + batch]
-                    if unwrapped:
-                        optim_step.zero_grad(opt)
-                    else:
-                        opt.zero_grad(set_to_none=True)
-                    F.cross_entropy(module(x[idx]), y[idx]).backward()
-                    if unwrapped:
-                        optim_step.step(opt)
-                    else:
-                        opt.step()
-                with torch.no_grad():
-                    self.flat.sub_(self.global_w)  # the delta, in place
-                    self.acc.add_(self.flat, alpha=float(len(x)))
-                total += len(x)
+        self.acc.zero_()
+        total = 0
+        module.train()
+        for pid, (x, y) in enumerate(self.data):
+            self.flat.copy_(self.global_w)
+            gen = torch.Generator().manual_seed(self._seed_of(self.task.seed, rnd, pid))
+            order = torch.randperm(len(x), generator=gen)
+            for start in range(0, len(x), batch):
+                idx = order[start:start + batch]
+                if unwrapped:
+                    optim_step.zero_grad(opt)
+                else:
+                    opt.zero_grad(set_to_none=True)
+                F.cross_entropy(module(x[idx]), y[idx]).backward()
+                if unwrapped:
+                    optim_step.step(opt)
+                else:
+                    opt.step()
             with torch.no_grad():
-                self.global_w.add_(self.acc, alpha=1.0 / total)
-                self.flat.copy_(self.global_w)
-            evaluate(module, *self.test)
-            clock.mark()
-        return clock.rounds()
+                self.flat.sub_(self.global_w)  # the delta, in place
+                self.acc.add_(self.flat, alpha=float(len(x)))
+            total += len(x)
+        with torch.no_grad():
+            self.global_w.add_(self.acc, alpha=1.0 / total)
+            self.flat.copy_(self.global_w)
+        evaluate(module, *self.test)
 
 
-def run_fedring(config: dict[str, Any], folder: str) -> tuple[Rounds, Any]:
-    """Round times of ``run_simulation`` (in-process) and the final model."""
+@contextmanager
+def deferred_checkpoints() -> Iterator[list[Callable[[], None]]]:
+    """Hold the store's background checkpoint writes until the caller releases them.
+
+    A round's checkpoint is handed to the writer thread just before the round is reported;
+    interleaved with the bare loop, it would run during the bare round. Held, then released
+    when fedring's next round starts, it overlaps that round, as in a run of its own."""
+    try:
+        from server.store.checkpoints import BackgroundWriter
+    except ImportError:  # an earlier checkout without the writer thread
+        yield []
+        return
+    held: list[Callable[[], None]] = []
+    submit = BackgroundWriter.submit
+
+    def hold(self: Any, *args: Any, **kwargs: Any) -> None:
+        held.append(partial(submit, self, *args, **kwargs))
+
+    BackgroundWriter.submit = hold  # type: ignore[method-assign]
+    try:
+        yield held
+    finally:
+        BackgroundWriter.submit = submit  # type: ignore[method-assign]
+
+
+def run_fedring(config: dict[str, Any], folder: str,
+                bare: PflStyleBare | None = None) -> tuple[Rounds, Any, Rounds | None]:
+    """Round times of ``run_simulation`` (in-process) and the final model; given ``bare``,
+    one round of the bare loop after each of fedring's, timed apart (and its round times),
+    fedring's clock stopped meanwhile and its checkpoint writes held until it resumes."""
     from server.reporter import Reporter
     from simulations.cli import run_simulation
     from simulations.task import ScenarioTask
 
-    clock = Clock()
+    clock, bare_clock = Clock(), Clock()
 
     class Marks(Reporter):
         def run_started(self, run_id: str, config: dict[str, Any]) -> None:
@@ -174,6 +235,14 @@ def run_fedring(config: dict[str, Any], folder: str) -> tuple[Rounds, Any]:
 
         def round_finished(self, rnd: int, metrics: dict[str, float]) -> None:
             clock.mark()
+            if bare is None:
+                return
+            bare_clock.restart()
+            bare.round(rnd)
+            bare_clock.mark()
+            clock.restart()  # fedring's next round starts with its held checkpoint
+            while held:
+                held.pop(0)()
 
     last: list[Any] = []
     evaluate = ScenarioTask.evaluate
@@ -186,24 +255,28 @@ def run_fedring(config: dict[str, Any], folder: str) -> tuple[Rounds, Any]:
     url = f"sqlite:///{os.path.join(folder, f'pfl-{time.time_ns()}.db')}"
     ScenarioTask.evaluate = keep_last  # type: ignore[method-assign]
     try:
-        run_simulation(config, engine="inprocess", db=url, reporter=rep)
+        with deferred_checkpoints() if bare is not None else nullcontext([]) as held:
+            run_simulation(config, engine="inprocess", db=url, reporter=rep)
     finally:
         ScenarioTask.evaluate = evaluate  # type: ignore[method-assign]
-    return clock.rounds(), last[0]
+    return clock.rounds(), last[0], bare_clock.rounds() if bare is not None else None
 
 
-def run_fedring_baseline(config: dict[str, Any], tree: str, folder: str) -> Rounds:
-    """``run_fedring`` in a child process that imports fedring from ``tree``."""
-    path = os.path.join(folder, "config.json")
+def run_fedring_baseline(args: dict[str, Any], tree: str,
+                         folder: str) -> tuple[Rounds, Rounds]:
+    """``run_fedring`` interleaved with the bare loop in a child process that imports
+    fedring from ``tree``, on ``scenario(**args)`` as that checkout resolves it (its
+    config keys may differ): fedring's round times and the bare loop's."""
+    path = os.path.join(folder, "scenario.json")
     with open(path, "w") as f:
-        json.dump(config, f)
+        json.dump(args, f)
     env = {**os.environ, "PYTHONPATH": tree}
     out = subprocess.run([sys.executable, __file__, "--fedring-child", path, folder],
                          capture_output=True, text=True, env=env, cwd=tree)
     if out.returncode != 0:
         raise RuntimeError(f"the baseline fedring failed:\n{out.stderr[-3000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    return got["round_s"], got["round_cpu_s"]
+    return (got["round_s"], got["round_cpu_s"]), (got["bare_s"], got["bare_cpu_s"])
 
 
 def write_workload(config: dict[str, Any], path: str) -> None:
@@ -249,6 +322,8 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
     auto_config = scenario(clients, hidden, rounds, {"engine.vectorize": "auto"}) \
         if vectorized else None
     per_rep: list[dict[str, float]] = []
+    # every warm round's ratio to the bare round beside it, over all repetitions
+    paired: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"wall": [], "cpu": []})
     diffs: list[float] = []
     step_diffs: list[float] = []  # the unwrapped step's model against the bare loop's: 0
     with tempfile.TemporaryDirectory() as folder:
@@ -262,33 +337,53 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
                 row[f"{system}_s"] = warm_median(rounds_[0])
                 row[f"{system}_cpu_s"] = warm_median(rounds_[1])
 
+            def put_paired(system: str, rounds_: Rounds, bare_rounds: Rounds,
+                           row: dict[str, float] = row) -> None:
+                put(system, rounds_)
+                for i, clock in enumerate(("wall", "cpu")):
+                    pairs = paired_ratios(rounds_[i], bare_rounds[i])
+                    row[f"{system}_{clock}_ratio"] = statistics.median(pairs)
+                    paired[system][clock].extend(pairs)
+
             bare = PflStyleBare(config)
-            put("bare", bare.run(rounds))
+            times, final, bare_rounds = run_fedring(config, folder, bare)
+            assert bare_rounds is not None
+            put("bare", bare_rounds)
+            put_paired("fedring", times, bare_rounds)
+            diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
             unwrapped = PflStyleBare(config, unwrapped_step=True)
             put("bare_unwrapped_step", unwrapped.run(rounds))
             step_diffs.append(float(np.abs(unwrapped.global_w.numpy()
                                            - bare.global_w.numpy()).max()))
-            times, final = run_fedring(config, folder)
-            put("fedring", times)
-            diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
             if baseline:
-                put("fedring_baseline", run_fedring_baseline(config, baseline, folder))
-            if vec_config is not None:
-                times, final = run_fedring(vec_config, folder)
-                put("fedring_vectorized", times)
-                diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
-            if auto_config is not None:
-                times, final = run_fedring(auto_config, folder)
-                put("fedring_auto", times)
-                diffs.append(float(np.abs(final - bare.global_w.numpy()).max()))
+                times, bare_rounds = run_fedring_baseline(
+                    {"clients": clients, "hidden": hidden, "rounds": rounds}, baseline, folder)
+                put_paired("fedring_baseline", times, bare_rounds)
+            for name, other in (("fedring_vectorized", vec_config),
+                                ("fedring_auto", auto_config)):
+                if other is not None:
+                    beside = PflStyleBare(other)
+                    times, final, bare_rounds = run_fedring(other, folder, beside)
+                    assert bare_rounds is not None
+                    put_paired(name, times, bare_rounds)
+                    diffs.append(float(np.abs(final - beside.global_w.numpy()).max()))
             if pfl_python:
                 put("pfl", run_pfl(pfl_python, workload, hidden, rounds, threads))
             per_rep.append(row)
     dim = int(bare.flat.numel())
     systems = [k[:-2] for k in per_rep[0] if k.endswith("_s") and not k.endswith("cpu_s")
                and k != "bare_s"]
-    ratios = {s: [r[f"{s}_s"] / r["bare_s"] for r in per_rep] for s in systems}
-    cpu_ratios = {s: [r[f"{s}_cpu_s"] / r["bare_cpu_s"] for r in per_rep] for s in systems}
+
+    def ratio(r: dict[str, float], system: str, clock: str) -> float:
+        """Interleaved systems: the median of their rounds' ratios to the bare round run
+        right after each; the others: their median round over the bare loop's."""
+        if f"{system}_{clock}_ratio" in r:
+            return r[f"{system}_{clock}_ratio"]
+        cpu = "_cpu" if clock == "cpu" else ""
+        return r[f"{system}{cpu}_s"] / r[f"bare{cpu}_s"]
+
+    ratios = {s: [ratio(r, s, "wall") for r in per_rep] for s in systems}
+    cpu_ratios = {s: [ratio(r, s, "cpu") for r in per_rep] for s in systems}
 
     def summary(xs: dict[str, list[float]]) -> dict[str, Any]:
         return {"per_rep": {s: [float(f"{x:.3g}") for x in v] for s, v in xs.items()},
@@ -300,6 +395,8 @@ def compare(size: str, *, clients: int, rounds: int, reps: int, pfl_python: str 
         "wall_ratio_to_bare": summary(ratios), "cpu_ratio_to_bare": summary(cpu_ratios),
         "fedring_vs_bare_max_abs_diff": float(f"{max(diffs):.3g}"),
         "bare_unwrapped_step_vs_bare_max_abs_diff": max(step_diffs),
+        "paired_rounds": {s: {clock: spread_of(v) for clock, v in p.items()}
+                          for s, p in paired.items()},
         "fedring_to_bare_unwrapped_step": summary(
             {"fedring": [r["fedring_s"] / r["bare_unwrapped_step_s"] for r in per_rep]}),
     }
@@ -347,15 +444,18 @@ def pfl_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def fedring_child(config_path: str, folder: str) -> None:
-    """In a child process: ``run_fedring`` on a resolved config; print its round times."""
+def fedring_child(args_path: str, folder: str) -> None:
+    """In a child process: ``run_fedring`` interleaved with the bare loop on
+    ``scenario(**args)``; print both round times."""
     import torch
 
     torch.set_num_threads(1)
-    with open(config_path) as f:
-        config = json.load(f)
-    wall, cpu = run_fedring(config, folder)[0]
-    print(json.dumps({"round_s": wall, "round_cpu_s": cpu}), flush=True)
+    with open(args_path) as f:
+        config = scenario(**json.load(f))
+    (wall, cpu), _, bare = run_fedring(config, folder, PflStyleBare(config))
+    assert bare is not None
+    print(json.dumps({"round_s": wall, "round_cpu_s": cpu, "bare_s": bare[0],
+                      "bare_cpu_s": bare[1]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ same repetition; without ``--pfl-python`` pfl is skipped with a note.
     python benchmarks/simulation_overhead.py [--quick] [--reps R] [--no-flower]
                                              [--sizes 10x10k,100x1m] [--no-cold]
                                              [--cifar-bn | --cifar-bn-only]
-                                             [--pfl-python PATH] [--pfl-reps 3]
+                                             [--pfl-python PATH] [--pfl-reps 7]
                                              [--fedring-baseline TREE]
                                              [--memory-users 1000,3000,10000]
                                              [--pfl-workload-only | --no-pfl-workload]
@@ -642,7 +642,7 @@ def main() -> None:
                         help="a checkout of an earlier fedring: its in-process engine runs "
                              "on the pfl workload too (before/after in one run)")
     parser.add_argument("--pfl-reps", type=int, default=None,
-                        help="alternations of the pfl workload's systems (default 3, quick 1)")
+                        help="alternations of the pfl workload's systems (default 7, quick 1)")
     parser.add_argument("--pfl-sizes", default=None,
                         help="sizes of the pfl workload, e.g. 10k,1m (default both; quick 10k)")
     parser.add_argument("--pfl-workload-only", action="store_true",
@@ -691,7 +691,7 @@ def main() -> None:
         if args.pfl_python is None:
             log("pfl workload: pfl skipped (give --pfl-python, an interpreter with "
                 "pfl[pytorch]==0.6.0)")
-        pfl_reps = args.pfl_reps or (1 if quick else 3)
+        pfl_reps = args.pfl_reps or (1 if quick else 7)
         pfl_sizes = (args.pfl_sizes.split(",") if args.pfl_sizes
                      else ["10k"] if quick else ["10k", "1m"])
         for size in pfl_sizes:

@@ -65,6 +65,9 @@ def test_simulation_overhead_quick() -> None:
     assert row["fedring_vs_bare_max_abs_diff"] < 1e-4  # sequential and vectorized alike
     assert row["bare_unwrapped_step_vs_bare_max_abs_diff"] == 0.0  # the same step, unwrapped
     assert positive(row["fedring_to_bare_unwrapped_step"]["median"]["fedring"])
+    paired = row["paired_rounds"]  # fedring's warm rounds, each beside a bare round
+    assert set(paired) == {"fedring", "fedring_vectorized", "fedring_auto"}
+    assert paired["fedring"]["wall"]["n"] == 2 and positive(paired["fedring"]["cpu"]["median"])
     for target in pfl_part["targets"].values():
         assert target["met"] in (True, False, None)
     [memory] = result["population_memory"]
