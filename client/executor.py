@@ -10,6 +10,11 @@ does::
 
     flower-supernode --isolation process --host 127.0.0.1 --port 9094 ...
     python -m client.executor --runtime-api-address 127.0.0.1:9094 --insecure
+
+By default it asks for a task every ``--poll`` seconds while idle. Started beside
+``client.supernode --task-signal NAME`` with the same ``--task-signal NAME``, it waits
+for the SuperNode's wake-up instead and asks only when woken, or every ``--idle-poll``
+seconds (``client.task_signal``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from client.protocol import flower_compat as flower
+from client.task_signal import TaskSignal
 
 TASK_HEARTBEAT_S = 15.0  # the SuperNode expires a running task after 60 s without one
 log = logging.getLogger("fedring.executor")
@@ -56,10 +62,11 @@ class WarmExecutor:
     """Claim ClientApp tasks from one SuperNode's Runtime API and run them in this process."""
 
     def __init__(self, runtime_api_address: str, *, insecure: bool,
-                 root_certificates: bytes | None = None, poll_s: float = 0.05) -> None:
+                 root_certificates: bytes | None = None, poll_s: float = 0.05,
+                 wake: TaskSignal | None = None, idle_poll_s: float = 1.0) -> None:
         self.address, self.insecure, self.certificates = (runtime_api_address, insecure,
                                                           root_certificates)
-        self.poll_s = poll_s
+        self.poll_s, self.wake, self.idle_poll_s = poll_s, wake, idle_poll_s
         self.tasks_done = 0
         self._acquire_request = flower.acquire_task_request()
         self._control = self._client("SuperExec")
@@ -73,7 +80,7 @@ class WarmExecutor:
                                      component=component, token=token)
 
     def serve_forever(self) -> None:
-        """Claim and run tasks until interrupted; idle between polls."""
+        """Claim and run tasks until interrupted; idle between polls (or until woken)."""
         while True:
             try:
                 busy = self.run_one()
@@ -81,7 +88,15 @@ class WarmExecutor:
                 log.exception("task handling failed")
                 busy = False
             if not busy:
-                time.sleep(self.poll_s)
+                self.idle()
+
+    def idle(self) -> None:
+        """Wait before the next claim: ``poll_s``, or until the SuperNode's wake-up (at
+        most ``idle_poll_s``) with a task signal."""
+        if self.wake is None:
+            time.sleep(self.poll_s)
+        else:
+            self.wake.wait(self.idle_poll_s)
 
     def run_one(self) -> bool:
         """Claim one pending ClientApp task and run it; False when there was none."""
@@ -96,6 +111,7 @@ class WarmExecutor:
         from flwr.app import Error, Message
 
         client = self._client("flwr-clientapp", token)
+        flower.share_connection(client, self._control)  # no TLS handshake per task
         heartbeat = _Heartbeat(client)
         message = reply = context = None
         sub_status, details = flower.SubStatus.FAILED, "ClientApp task failed"
@@ -125,7 +141,6 @@ class WarmExecutor:
                 sub_status, details = flower.SubStatus.FAILED, "pushing the reply failed"
             heartbeat.stop()
             flower.push_task_output(client, context, sub_status, details)
-            client.close()
             self.tasks_done += 1
             log.info("task done in %.3f s", time.perf_counter() - t0)
 
@@ -164,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit when this process (the SuperNode) exits")
     parser.add_argument("--poll", type=float, default=0.05,
                         help="seconds between task polls when idle (default 0.05)")
+    parser.add_argument("--task-signal", metavar="NAME",
+                        help="wait for the SuperNode's wake-up on this socket name "
+                             "(client.supernode --task-signal) instead of polling")
+    parser.add_argument("--idle-poll", type=float, default=1.0,
+                        help="with --task-signal: seconds between task polls when no "
+                             "wake-up comes (default 1)")
     parser.add_argument("--threads", type=int, default=0,
                         help="cap torch's CPU threads (0: torch's default)")
     parser.add_argument("--preload", default="torch,numpy",
@@ -172,11 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if min(args.poll, args.idle_poll) <= 0:
+        parser.error("--poll and --idle-poll must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     if args.threads > 0:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    wake = TaskSignal(args.task_signal) if args.task_signal else None  # before the imports
     for name in filter(None, args.preload.split(",")):
         importlib.import_module(name.strip())
     if args.threads > 0 and "torch" in sys.modules:
@@ -186,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     certs = Path(args.root_certificates).read_bytes() if args.root_certificates else None
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     executor = WarmExecutor(args.runtime_api_address, insecure=args.insecure,
-                            root_certificates=certs, poll_s=args.poll)
-    log.info("warm ClientApp executor polling %s", args.runtime_api_address)
+                            root_certificates=certs, poll_s=args.poll, wake=wake,
+                            idle_poll_s=args.idle_poll)
+    log.info("warm ClientApp executor polling %s%s", args.runtime_api_address,
+             f", woken on {args.task_signal!r}" if args.task_signal else "")
     try:
         executor.serve_forever()
     except KeyboardInterrupt:

@@ -22,14 +22,16 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 __all__ = [
-    "FLOWER_IDLE_SLEEP_S", "FLOWER_REPLY_SLEEP_S", "SUPERLINK_NODE_ID", "ClientAppCallable",
-    "ErrorCode", "Run", "SubStatus", "acquire_task_request", "array_from_fields",
-    "client_app_error_code", "copy_record", "empty_run", "flwr_home", "load_client_app",
-    "pull_task_input", "push_reply", "push_task_output", "read_flower_config",
-    "record_entries", "record_from_entries", "register_node", "run_flower_supernode",
-    "run_simulation", "runtime_client", "set_message_id", "set_sender", "set_task_identity",
-    "shorten_grid_object_retries", "shorten_supernode_waits", "start_parent_process_monitor",
-    "task_heartbeat_request", "write_flower_config", "write_superlink_connection",
+    "FLOWER_IDLE_SLEEP_S", "FLOWER_REPLY_SLEEP_S", "SUPERLINK_NODE_ID",
+    "ClientAppCallable", "ErrorCode", "Run", "SubStatus", "acquire_task_request",
+    "array_from_fields", "client_app_error_code", "copy_record", "empty_run",
+    "flwr_home", "load_client_app", "on_supernode_message", "pull_task_input",
+    "push_reply", "push_task_output", "read_flower_config", "record_entries",
+    "record_from_entries", "register_node", "run_flower_supernode", "run_simulation",
+    "runtime_client", "set_message_id", "set_sender", "set_task_identity",
+    "share_connection", "shorten_grid_object_retries", "shorten_supernode_waits",
+    "start_parent_process_monitor", "task_heartbeat_request", "write_flower_config",
+    "write_superlink_connection",
 ]
 
 R = TypeVar("R", MetricRecord, ArrayRecord, RecordDict)
@@ -183,6 +185,19 @@ def runtime_client(address: str, *, insecure: bool, root_certificates: bytes | N
         interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
 
 
+def share_connection(client: Any, owner: Any) -> None:
+    """Make the Runtime API ``client`` send through ``owner``'s connection pool, so that a
+    client made per task reuses ``owner``'s open (TLS) connection instead of opening one;
+    ``client`` must then not be closed (that would close ``owner``'s pool). Relies on
+    ``flwr.supercore.protobuf.client.ProtobufClient`` sending every call through its
+    ``httpx.Client`` in ``_client`` (Flower 1.41)."""
+    shared = owner.__dict__["_client"]
+    own = client.__dict__.get("_client")
+    if own is not None and own is not shared:
+        own.close()
+    client.__dict__["_client"] = shared
+
+
 def pull_task_input(client: Any, backoff_s: float) -> tuple[Any, Any, Any, Any]:
     """``flwr-clientapp``'s pull of the task's Message, Context, Run and FAB, retrying a
     message object that is not there yet after ``backoff_s`` rather than Flower's 1 s.
@@ -295,6 +310,30 @@ def shorten_supernode_waits(sleep: Callable[[float], None], initial_backoff: flo
     loop.time = shim  # type: ignore[attr-defined]
     loop.pull_objects = functools.partial(  # type: ignore[attr-defined]
         loop.pull_objects, initial_backoff=initial_backoff, backoff_cap=backoff_cap)
+
+
+def on_supernode_message(callback: Callable[[], None]) -> None:
+    """Call ``callback`` each time the SuperNode loop has pulled a message and stored it
+    with all its objects, so that its ClientApp task can be claimed and run at once.
+
+    Relies on ``flwr.supernode.start_client_internal`` calling its module-level
+    ``_pull_and_store_message``, which returns a run id once it stored a message (with
+    its task and objects) and None when it stored none (Flower 1.41)."""
+    import functools
+
+    from flwr.supernode import start_client_internal as loop
+
+    pull = getattr(loop._pull_and_store_message, "__wrapped__",  # once patched: the original
+                   loop._pull_and_store_message)
+
+    @functools.wraps(pull)
+    def pull_and_call(*args: Any, **kwargs: Any) -> Any:
+        run_id = pull(*args, **kwargs)
+        if run_id is not None:
+            callback()
+        return run_id
+
+    loop._pull_and_store_message = pull_and_call  # type: ignore[attr-defined]
 
 
 #: The longest wait between two pulls of a message object not yet on the SuperLink, on

@@ -21,11 +21,12 @@ PRELOAD = "torch,numpy,sklearn.datasets,dp_accounting,sqlalchemy"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # for `python -m client.executor` etc.
 # FLWR_SUPEREXEC_TASK_POLL_INTERVAL. With warm executors the only SuperExec is the
 # SuperLink's, which starts a run's ServerApp and otherwise asks the SuperLink for work
-# on every poll for the whole run: polled every 0.5 s, it adds at most that to a run's
-# start and 2 requests a second to the SuperLink's load during rounds (0.1 s: 10).
+# on every poll for the whole run: polled every 1 s (Flower's default), it adds at most
+# that to a run's start and one request a second to the SuperLink's load during rounds
+# (0.1 s: 10).
 # Where a SuperExec starts a ClientApp per message (fastpoll) or the SuperNodes keep
 # Flower's waits (warm), 0.1 s, as before.
-SUPEREXEC_POLL_S = {"fedring": "0.5", "warm": "0.1", "fastpoll": "0.1"}
+SUPEREXEC_POLL_S = {"fedring": "1.0", "warm": "0.1", "fastpoll": "0.1"}
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ def _bin(name: str) -> str:
     return str(local) if local.exists() else name
 
 
+def task_signal(runtime_port: int) -> str:
+    """The socket name on which SuperNode and executor of ``runtime_port`` meet
+    (``client.task_signal``): the executor waits for the SuperNode's wake-up."""
+    return f"fedring-tasks-{runtime_port}"
+
+
 def superlink_command(port: int, *, certs: Path | None, auth: bool) -> list[str]:
     cmd = [_bin("flower-superlink"), "--host", HOST, "--port", str(port),
            "--disable-runtime-dependency-installation"]
@@ -113,7 +120,10 @@ def supernode_command(i: int, superlink: str, runtime_port: int, opts: Options,
     if opts.mode == "flower":
         return [_bin("flower-supernode"), *args, "--isolation", "subprocess"]
     wrapper = [sys.executable, "-m", "client.supernode", "--pull-interval",
-               str(opts.pull_interval), "--"]
+               str(opts.pull_interval)]
+    if opts.mode == "fedring":
+        wrapper += ["--task-signal", task_signal(runtime_port)]
+    wrapper.append("--")
     if opts.mode == "fastpoll":
         return [*wrapper, *args, "--isolation", "subprocess"]
     if certs is not None:  # the node's own Runtime API, where its executor connects
@@ -130,7 +140,8 @@ def executor_command(runtime_port: int, parent_pid: int, opts: Options,
     return [sys.executable, "-m", "client.executor", "--runtime-api-address",
             f"{HOST}:{runtime_port}", *tls, "--parent-pid", str(parent_pid),
             "--poll", str(opts.executor_poll), "--threads", str(opts.torch_threads),
-            "--preload", PRELOAD]
+            "--preload", PRELOAD,
+            *(["--task-signal", task_signal(runtime_port)] if opts.mode == "fedring" else [])]
 
 
 def run_command(federation: str, db: str, nodes: int, scenario: str = "default") -> str:

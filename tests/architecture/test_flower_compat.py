@@ -275,3 +275,50 @@ def test_register_node_internals_take_our_arguments() -> None:
 
 def test_context_type_is_public() -> None:
     assert Context is importlib.import_module("flwr.app").Context
+
+
+# The warm executor's connection and the SuperNode's wake-up ---------------------------------
+
+def test_share_connection_sends_through_the_owners_pool() -> None:
+    import httpx
+    from flwr.proto.runtime_pb2 import AcquireTaskResponse
+    from flwr.supercore.constant import TASK_TOKEN_HEADER
+
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=AcquireTaskResponse(token="t1").SerializeToString())
+
+    owner = fc.runtime_client("127.0.0.1:9", insecure=True, root_certificates=None,
+                              component="SuperExec")
+    owner.__dict__["_client"].close()
+    owner.__dict__["_client"] = pool = httpx.Client(transport=httpx.MockTransport(answer))
+    task = fc.runtime_client("127.0.0.1:9", insecure=True, root_certificates=None,
+                             component="flwr-clientapp", token="secret")
+    own = task.__dict__["_client"]
+    fc.share_connection(task, owner)
+    assert task.__dict__["_client"] is pool and own.is_closed
+    assert task.AcquireTask(fc.acquire_task_request()).token == "t1"
+    assert seen and seen[-1].headers[TASK_TOKEN_HEADER] == "secret"  # the task's own token
+    owner.AcquireTask(fc.acquire_task_request())
+    assert TASK_TOKEN_HEADER not in seen[-1].headers
+    pool.close()
+
+
+def test_on_supernode_message_calls_back_once_a_message_is_stored() -> None:
+    from flwr.supernode import start_client_internal as loop
+
+    assert "_pull_and_store_message(" in inspect.getsource(loop.start_client_internal)
+    source = inspect.getsource(loop._pull_and_store_message)
+    assert source.index("confirm_message_received(") < source.rindex("return run_id")
+    saved = loop._pull_and_store_message
+    results, calls = iter([None, 7, None]), []
+    try:
+        loop._pull_and_store_message = lambda **_: next(results)
+        fc.on_supernode_message(lambda: calls.append("woken"))
+        fc.on_supernode_message(lambda: calls.append("again"))  # replaces, never stacks
+        got = [loop._pull_and_store_message(state=None) for _ in range(3)]
+        assert got == [None, 7, None] and calls == ["again"]
+    finally:
+        loop._pull_and_store_message = saved

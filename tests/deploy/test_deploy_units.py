@@ -110,6 +110,12 @@ def test_commands_stand_for_flower_commands(tmp_path: Path) -> None:
     exe = deploy.executor_command(10, 1234, opts, tmp_path)
     args = executor_parser().parse_args(exe[3:])
     assert args.parent_pid == 1234 and args.root_certificates == str(tmp_path / "ca.pem")
+    # SuperNode and executor of one runtime port meet on one wake-up socket (fedring mode)
+    node10 = deploy.supernode_command(1, "127.0.0.1:9", 10, opts, tmp_path)
+    assert node10[node10.index("--task-signal") + 1] == args.task_signal == "fedring-tasks-10"
+    warm = deploy.Options(mode="warm")
+    assert "--task-signal" not in deploy.supernode_command(0, "127.0.0.1:9", 10, warm, None)
+    assert "--task-signal" not in deploy.executor_command(10, 1, warm, None)
     command = deploy.run_command("fed", "sqlite:///x.db", 3)
     assert "federation.clients=3 federation.min_clients=2" in command  # survives one loss
     assert f'db="sqlite:///{Path.cwd()}/x.db"' in command  # not the SuperLink's directory

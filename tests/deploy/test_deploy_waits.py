@@ -1,6 +1,7 @@
 """The waits a deployment shortens, on Flower's own functions and without processes: the
-SuperNode's pulls right after a reply, the Grid's retry of a reply's object not yet on
-the SuperLink, and the SuperLink's SuperExec poll."""
+SuperNode's pulls right after a reply, the executor's wake-up instead of its task poll,
+the Grid's retry of a reply's object not yet on the SuperLink, and the SuperLink's
+SuperExec poll."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def test_supernode_pulls_fast_for_a_window_after_a_reply_wait() -> None:
     assert slept == [0.2, 0.01, 0.05, 0.05, 0.2, 0.01, 0.05]
 
 
+def test_supernode_pulls_ever_less_often_the_longer_the_wait() -> None:
+    now, slept = [0.0], []
+    sleep = make_sleep(0.2, 0.01, slept.append, busy_pull_s=0.05, busy_window_s=3.0,
+                       busy_growth=0.125, clock=lambda: now[0])
+    sleep(FLOWER_REPLY_SLEEP_S)
+    for t in (0.1, 0.4, 0.8, 1.2, 1.6, 2.9, 3.1):
+        now[0] = t
+        sleep(FLOWER_IDLE_SLEEP_S)
+    assert slept == pytest.approx([0.01, 0.05, 0.05, 0.1, 0.15, 0.2, 0.2, 0.2])
+
+
 def test_supernode_without_a_window_always_pulls_at_the_idle_interval() -> None:
     slept: list[float] = []
     sleep = make_sleep(0.2, 0.01, slept.append, busy_pull_s=0.05, busy_window_s=0.0)
@@ -48,10 +60,71 @@ def test_supernode_without_a_window_always_pulls_at_the_idle_interval() -> None:
 def test_supernode_cli_rejects_bad_waits(capsys) -> None:
     from client.supernode import main
 
-    for bad in (["--busy-pull-interval", "0"], ["--busy-window", "-1"]):
+    for bad in (["--busy-pull-interval", "0"], ["--busy-window", "-1"],
+                ["--busy-pull-growth", "1"]):
         with pytest.raises(SystemExit):
             main([*bad, "--", "--insecure"])
-    assert "--busy-window must be >= 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--busy-window must be >= 0" in err and "--busy-pull-growth must be in [0, 1)" in err
+
+
+def test_a_stored_message_wakes_the_executor(monkeypatch) -> None:
+    """The SuperNode loop's stored message reaches the executor's socket; a pull that
+    stored nothing sends nothing."""
+    from flwr.supernode import start_client_internal as loop
+
+    from client.task_signal import TaskSignal, notifier
+
+    name = f"fedring-test-{id(object())}"
+    results = iter([None, 3])
+    monkeypatch.setattr(loop, "_pull_and_store_message", lambda **_: next(results))
+    wake = TaskSignal(name)
+    try:
+        flower_compat.on_supernode_message(notifier(name))
+        loop._pull_and_store_message(state=None)
+        assert not wake.wait(0.0)
+        loop._pull_and_store_message(state=None)
+        assert wake.wait(5.0) and not wake.wait(0.0)  # one wake-up, consumed
+    finally:
+        wake.close()
+    notifier(name)()  # nobody listening: dropped, no error
+
+
+def test_task_signal_consumes_every_pending_wake_up(tmp_path) -> None:
+    from client.task_signal import TaskSignal, address, notifier
+
+    assert address("x") == "\0x" and address(str(tmp_path / "s")) == str(tmp_path / "s")
+    with pytest.raises(ValueError, match="non-empty"):
+        address("")
+    wake, notify = TaskSignal(str(tmp_path / "s")), notifier(str(tmp_path / "s"))
+    try:
+        for _ in range(3):
+            notify()
+        assert wake.wait(5.0) and not wake.wait(0.0)
+    finally:
+        wake.close()
+
+
+def test_executor_waits_for_the_wake_up_instead_of_polling(monkeypatch) -> None:
+    from client import executor as ex
+
+    class Wake:
+        timeouts: ClassVar[list[float]] = []
+
+        def wait(self, timeout: float) -> bool:
+            self.timeouts.append(timeout)
+            return True
+
+    slept: list[float] = []
+    monkeypatch.setattr(ex.time, "sleep", slept.append)
+    polling = ex.WarmExecutor("127.0.0.1:9", insecure=True, poll_s=0.05)
+    polling.idle()
+    woken = ex.WarmExecutor("127.0.0.1:9", insecure=True, poll_s=0.05, wake=Wake(),
+                            idle_poll_s=1.0)
+    woken.idle()
+    assert slept == [0.05] and Wake.timeouts == [1.0]
+    with pytest.raises(SystemExit):
+        ex.main(["--insecure", "--idle-poll", "0"])
 
 
 class _Waits:
@@ -121,4 +194,4 @@ def test_superexec_poll_per_mode(monkeypatch) -> None:
     monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
     polls = {m: command_env(deploy.Options(mode=m)).get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL")
              for m in MODES}
-    assert polls == {"fedring": "0.5", "warm": "0.1", "fastpoll": "0.1", "flower": None}
+    assert polls == {"fedring": "1.0", "warm": "0.1", "fastpoll": "0.1", "flower": None}
