@@ -75,10 +75,6 @@ class _Masker:
         self._mask = np.frombuffer(scratch[0], dtype=self.dtype, count=self.step)
         self._work = np.frombuffer(scratch[1], dtype=self.dtype, count=self.step)
 
-    def spans(self, lo: int, hi: int) -> Iterator[tuple[int, int]]:
-        for start in range(lo, hi, self.step):
-            yield start, min(hi, start + self.step)
-
     def apply(self, chunk: np.ndarray, start: int, *, accumulate: bool) -> None:
         """chunk = (chunk if accumulate else 0) + vectors + masks over [start, start+len)."""
         n = chunk.size
@@ -151,10 +147,11 @@ def combine(
     2^bits, such as uint16 for bits <= 16), else a new one. With ``accumulate`` the sum
     is added to what ``out`` holds (taken mod 2^bits), in place.
 
-    With ``threads`` > 1 and enough work, the words are cut into that many contiguous
-    spans, each computed by its own thread (AES-CTR seeks to the span's first block;
-    ``cryptography`` and numpy release the GIL), so the result is the same; the CPU
-    time those threads spend is added to the caller's
+    With ``threads`` > 1 and enough work, up to that many threads claim chunks of the
+    words (:func:`privacy.secagg.workers.share`: each walks a contiguous range, and one
+    that runs out takes over the back half of another's rest; AES-CTR seeks to a range's
+    first block; ``cryptography`` and numpy release the GIL), so the result is the same
+    however the chunks fall; the CPU time those threads spend is added to the caller's
     :func:`privacy.secagg.workers.worker_cpu_seconds`.
     """
     dtype = word_dtype(bits)
@@ -173,8 +170,8 @@ def combine(
     if dim * max(1, len(keys)) < PARALLEL_WORDS:
         threads = 1
     step = CHUNK_BYTES // dtype.itemsize
-    workers.run([functools.partial(_fill, vectors, keys, bits, out, lo, hi, accumulate)
-                 for lo, hi in workers.spans(dim, step, threads)])
+    workers.share(dim, step, threads,
+                  functools.partial(_fill, vectors, keys, bits, out, accumulate))
     return out
 
 
@@ -182,10 +179,15 @@ PARALLEL_WORDS = 1 << 21  # words of masks below which one thread does it all
 
 
 def _fill(vectors: Sequence[np.ndarray], keys: Sequence[tuple[bytes, int]], bits: int,
-          out: np.ndarray, lo: int, hi: int, accumulate: bool) -> None:
-    masker = _Masker(vectors, keys, bits, start=lo)
-    for start, stop in masker.spans(lo, hi):
-        masker.apply(out[start:stop], start, accumulate=accumulate)
+          out: np.ndarray, accumulate: bool, chunks: Iterator[tuple[int, int]]) -> None:
+    """One thread's chunks of :func:`combine`: the streams go on from chunk to chunk and
+    start again (seeking) where the thread took over another thread's rest."""
+    masker, at = None, -1
+    for start, stop in chunks:
+        if start != at:
+            masker = _Masker(vectors, keys, bits, start=start)
+        masker.apply(out[start:stop], start, accumulate=accumulate)  # type: ignore[union-attr]
+        at = stop
 
 
 def prg_bound(dim: int, masks: int, reps: int = 3) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -260,7 +261,29 @@ def quantize_weighted_into(
     out: np.ndarray,
     threads: int = 1,
 ) -> np.ndarray:
-    """:func:`quantize_weighted`'s encoding of ``update``, written into ``out`` (d+1 words).
+    """:func:`quantize_counting_into` without the count: ``out``."""
+    _quantize_into(update, weight, clip_range=clip_range, scale=scale, max_weight=max_weight,
+                   rounding=rounding, rng=rng, factor=factor, out=out, threads=threads,
+                   count=False)
+    return out
+
+
+def quantize_counting_into(
+    update: np.ndarray,
+    weight: float,
+    *,
+    clip_range: float,
+    scale: float,
+    max_weight: float = 1.0,
+    rounding: Rounding = "stochastic",
+    rng: np.random.Generator | None = None,
+    factor: float = 1.0,
+    out: np.ndarray,
+    threads: int = 1,
+) -> int:
+    """:func:`quantize_weighted`'s encoding of ``update``, written into ``out`` (d+1 words);
+    returns how many coordinates of ``update`` lie outside [-clip_range, clip_range]
+    (compared in float64), counted in the same pass.
 
     ``out`` may have any unsigned word that holds :func:`max_level`. ``factor`` in (0, 1]
     scales the clipped coordinates only (the sum then decodes to
@@ -271,11 +294,21 @@ def quantize_weighted_into(
 
     One compiled pass (:func:`privacy.secagg.encode_kernel.encode`) computes
     v = a * clip(x) + b in float64, rounds, clamps and stores each word, and finds any
-    NaN or infinity on the way; stochastic noise is generated chunk by chunk beside it.
-    With ``threads`` > 1 and at least :data:`PARALLEL_COORDS` coordinates, contiguous
-    spans of whole chunks are encoded on worker threads (each noise stream started at
-    its span's block), with the same result.
+    NaN or infinity (and counts the clipped coordinates) on the way; stochastic noise is
+    generated chunk by chunk beside it.
+    With ``threads`` > 1 and at least :data:`PARALLEL_COORDS` coordinates, the chunks are
+    shared among threads (:func:`privacy.secagg.workers.share`; a noise stream starts at
+    the block of the first chunk of each contiguous range a thread takes), with the same
+    result.
     """
+    return _quantize_into(update, weight, clip_range=clip_range, scale=scale,
+                          max_weight=max_weight, rounding=rounding, rng=rng, factor=factor,
+                          out=out, threads=threads, count=True)
+
+
+def _quantize_into(update: np.ndarray, weight: float, *, clip_range: float, scale: float,
+                   max_weight: float, rounding: Rounding, rng: np.random.Generator | None,
+                   factor: float, out: np.ndarray, threads: int, count: bool) -> int:
     x = np.asarray(update).reshape(-1)
     d = x.size
     if out.shape != (d + 1,) or out.dtype.kind != "u" or not out.flags.c_contiguous:
@@ -290,6 +323,7 @@ def quantize_weighted_into(
     level = max_level(clip_range, scale, max_weight)
     if level >> (8 * out.dtype.itemsize):
         raise ValueError(f"{out.dtype} words cannot hold level {level}")
+    clipped = 0
     # the rounding noise's generator; rounding to nearest draws nothing
     gen = (rng if rng is not None else np.random.default_rng()) if rounding == "stochastic" \
         else None
@@ -302,39 +336,44 @@ def quantize_weighted_into(
             top = math.nextafter(top, 0.0)
         args = (float(a), float(b), float(clip_range), top)
         noise_key = gen.bytes(16) if gen is not None else b""  # AES key, not a secret
-        parts = workers.spans(d, CHUNK, threads if d >= PARALLEL_COORDS else 1)
-        finite = all(workers.run([functools.partial(_encode_span, x, out, args, noise_key, lo, hi)
-                                  for lo, hi in parts]))
-        if not finite:
+        counts = workers.share(d, CHUNK, threads if d >= PARALLEL_COORDS else 1,
+                               functools.partial(_encode_chunks, x, out, args, noise_key, count))
+        if min(counts) < 0:
             raise ValueError("update has non-finite values")
+        clipped = sum(counts)
     w = weight * scale + (gen.random() if gen is not None else 0.5)
     out[d] = min(level, int(w))
-    return out
+    return clipped
 
 
 PARALLEL_COORDS = 1 << 18  # coordinates below which one thread encodes them all
 
 
-def _encode_span(x: np.ndarray, out: np.ndarray, args: tuple[float, ...], noise_key: bytes,
-                 lo: int, hi: int) -> bool:
-    """Encode coordinates [lo, hi) (``lo`` a multiple of CHUNK); False if one is not finite.
+def _encode_chunks(x: np.ndarray, out: np.ndarray, args: tuple[float, ...], noise_key: bytes,
+                   count: bool, chunks: Iterator[tuple[int, int]]) -> int:
+    """Encode one thread's chunks of coordinates (each [lo, hi) with ``lo`` a multiple of
+    CHUNK); -1 if one is not finite, else (with ``count``) how many it clipped.
 
-    To nearest in one call; stochastically chunk by chunk, each chunk with its own slice
-    of the noise keystream of ``noise_key``, which starts at coordinate ``lo``'s block.
+    Stochastically, each chunk takes its own slice of the noise keystream of
+    ``noise_key``: the stream goes on from chunk to chunk and starts again at the chunk's
+    block where the thread took over another thread's rest.
     """
-    if not noise_key:
-        return bool(encode(x[lo:hi], _NO_NOISE, out[lo:hi], *args))
-    noise = Cipher(algorithms.AES(noise_key), modes.CTR((4 * lo // 16).to_bytes(16, "big"))
-                   ).encryptor()
-    buf = _scratch()
-    words = np.frombuffer(buf, np.uint32, count=CHUNK)
-    finite = True
-    for start in range(lo, hi, CHUNK):
-        stop = min(hi, start + CHUNK)
-        n = stop - start
-        noise.update_into(_ZERO_BYTES[: 4 * n], buf)
-        finite &= encode(x[start:stop], words[:n], out[start:stop], *args)
-    return bool(finite)
+    total, finite = 0, True
+    buf = _scratch() if noise_key else None
+    words = np.frombuffer(buf, np.uint32, count=CHUNK) if buf is not None else _NO_NOISE
+    noise, at = None, -1
+    for lo, hi in chunks:
+        n = hi - lo
+        if buf is not None:
+            if lo != at:
+                noise = Cipher(algorithms.AES(noise_key),
+                               modes.CTR((4 * lo // 16).to_bytes(16, "big"))).encryptor()
+            noise.update_into(_ZERO_BYTES[: 4 * n], buf)  # type: ignore[union-attr]
+        got = encode(x[lo:hi], words[:n], out[lo:hi], *args, count)
+        finite &= got >= 0
+        total += got
+        at = hi
+    return int(total) if finite else -1
 
 
 _NO_NOISE = np.empty(0, np.uint32)

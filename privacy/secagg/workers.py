@@ -3,9 +3,12 @@
 The heavy loops (AES-CTR in ``cryptography``, numpy ufuncs, the compiled quantizer)
 release the GIL, so a vector cut into contiguous spans is worked on by several threads
 at once. :func:`run` works on the first span itself and hands the others to a
-process-wide pool, then adds the pool threads' CPU time to the calling thread's
-:func:`worker_cpu_seconds`, so that a caller measuring its own CPU time
-(``time.thread_time``) can count what it delegated.
+process-wide pool; :func:`share` lets the threads claim chunks as they go (a thread
+that runs out takes the back half of the largest range left), so a worker that starts
+late, or is descheduled on a busy machine, leaves its part to the threads that are
+running instead of holding the caller up. Both add the pool threads' CPU time to the
+calling thread's :func:`worker_cpu_seconds`, so that a caller measuring its own CPU
+time (``time.thread_time``) can count what it delegated.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
@@ -58,14 +61,88 @@ def run(jobs: Sequence[Callable[[], T]]) -> list[T]:
     return [first, *(f.result()[0] for f in futures)]
 
 
+class Claims:
+    """Contiguous ranges of [0, total), one per thread, handed out a chunk of ``step``
+    items at a time (chunks start at multiples of ``step``). A thread whose range is
+    empty takes the back half, in whole chunks, of the largest range left, so each
+    thread mostly walks forward through one contiguous range (an AES-CTR stream goes on
+    without a new cipher) and no thread waits while another still has two chunks to do."""
+
+    def __init__(self, total: int, step: int) -> None:
+        self.step = step
+        self._lock = threading.Lock()
+        self._ranges: list[list[int]] = [[0, total]]  # the caller's: it starts with all
+
+    def own(self, first: bool) -> Iterator[tuple[int, int]]:
+        """The chunks one thread works on, in order: the first range (the caller's) or a
+        new, empty one that steals."""
+        if first:
+            mine = self._ranges[0]
+        else:
+            mine = [0, 0]
+            with self._lock:
+                self._ranges.append(mine)
+        while (chunk := self._next(mine)) is not None:
+            yield chunk
+
+    def close(self) -> None:
+        """Hand out nothing more (a thread failed: the others stop at their next chunk)."""
+        with self._lock:
+            for r in self._ranges:
+                r[0] = r[1]
+
+    def _next(self, mine: list[int]) -> tuple[int, int] | None:
+        with self._lock:
+            if mine[0] >= mine[1]:
+                victim = max(self._ranges, key=lambda r: r[1] - r[0])
+                chunks = -(-(victim[1] - victim[0]) // self.step)
+                if chunks < 2:  # nothing to share: its owner is on its last chunk
+                    return None
+                mid = victim[0] + -(-chunks // 2) * self.step
+                mine[0], mine[1], victim[1] = mid, victim[1], mid
+            lo = mine[0]
+            mine[0] = min(mine[1], lo + self.step)
+            return lo, mine[0]
+
+
+def share(total: int, step: int, threads: int,
+          work: Callable[[Iterator[tuple[int, int]]], T]) -> list[T]:
+    """``work`` on up to ``threads`` threads over chunks of [0, ``total``), each chunk
+    [lo, hi) (lo a multiple of ``step``) handed to exactly one thread. Each thread calls
+    ``work`` with its chunks: runs of contiguous ones, a new run (not necessarily further
+    on) where it took over another thread's rest. This thread works too; a pool thread
+    that has not started when this thread is done is cancelled. Returns each started
+    thread's result, this thread's first; raises what a thread raised, once all started
+    ones have ended. The pool threads' CPU time is added to :func:`worker_cpu_seconds`."""
+    claims = Claims(total, step)
+    if threads <= 1 or total <= step:
+        return [work(claims.own(True))]
+    futures = [_pool().submit(_timed, lambda: work(claims.own(False)))
+               for _ in range(threads - 1)]
+    try:
+        first = work(claims.own(True))
+    except BaseException:
+        claims.close()
+        raise
+    finally:
+        # one not started is cancelled (nothing is left for it; wait() would wait until a
+        # pool thread dequeued it); the others write where the caller reads: wait for them
+        started = [f for f in futures if not f.cancel()]
+        wait(started)
+        spent = sum(f.result()[1] for f in started if f.exception() is None)
+        _WAITED.cpu = worker_cpu_seconds() + spent
+    return [first, *(f.result()[0] for f in started)]
+
+
 def worker_cpu_seconds() -> float:
-    """CPU seconds spent so far by worker threads in this thread's calls of :func:`run`."""
+    """CPU seconds spent so far by worker threads in this thread's calls of :func:`run` and
+    :func:`share`."""
     return getattr(_WAITED, "cpu", 0.0)
 
 
 def cpu_seconds() -> float:
     """This thread's CPU seconds plus those of the workers it waited for: a clock that
-    counts the work :func:`run` delegated."""
+    counts the work :func:`run` and :func:`share` delegated."""
     return time.thread_time() + worker_cpu_seconds()
 
 

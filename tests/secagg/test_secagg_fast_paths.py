@@ -25,6 +25,7 @@ from privacy.secagg.quantize import (
 )
 from privacy.secagg.workers import spans as work_spans
 from privacy.secagg.workers import worker_cpu_seconds
+from tests.shared_chunks import every_thread_works
 
 D = 3 * CHUNK + 17  # chunks, the last one partial
 
@@ -56,12 +57,13 @@ def test_nearest_rounding_equals_the_reference(clip, scale, max_weight, weight, 
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_quantizing_on_threads_equals_one_thread(rounding):
+def test_quantizing_on_threads_equals_one_thread(rounding, monkeypatch):
     d = PARALLEL_COORDS + 3 * CHUNK + 17  # spans of whole chunks, the last one partial
     x = (np.random.default_rng(5).standard_normal(d) * 0.5).astype(np.float32)
     kw = {"clip_range": 1.0, "scale": 2.0**20, "max_weight": 50.0, "rounding": rounding}
     one, many = np.empty(d + 1, np.uint32), np.empty(d + 1, np.uint32)
     quantize_weighted_into(x, 37.0, rng=np.random.default_rng(9), out=one, threads=1, **kw)
+    every_thread_works(monkeypatch)
     before = worker_cpu_seconds()
     quantize_weighted_into(x, 37.0, rng=np.random.default_rng(9), out=many, threads=3, **kw)
     assert worker_cpu_seconds() > before  # the spans ran on the worker threads
@@ -196,7 +198,7 @@ def test_masking_into_narrow_words_equals_the_wide_sum(bits, dtype):
 @pytest.mark.parametrize(("bits", "dtype", "accumulate"), [
     (32, np.uint32, False), (32, np.uint32, True), (64, np.uint64, False), (12, np.uint16, True),
 ])
-def test_masking_on_threads_equals_one_thread(bits, dtype, accumulate):
+def test_masking_on_threads_equals_one_thread(bits, dtype, accumulate, monkeypatch):
     step = CHUNK_BYTES // word_dtype(bits).itemsize
     dim = 5 * step + 1234  # spans of whole chunks, the last one partial
     rng = np.random.default_rng(bits)
@@ -206,6 +208,7 @@ def test_masking_on_threads_equals_one_thread(bits, dtype, accumulate):
     start = rng.integers(0, 1 << bits, dim, dtype=np.uint64).astype(dtype)
     one, many = start.copy(), start.copy()
     combine(vectors, masks, dim, bits, out=one, accumulate=accumulate, threads=1)
+    every_thread_works(monkeypatch)
     before = worker_cpu_seconds()
     combine(vectors, masks, dim, bits, out=many, accumulate=accumulate, threads=3)
     assert worker_cpu_seconds() > before  # the spans ran on the worker threads

@@ -76,3 +76,24 @@ def test_combine_can_add_into_what_out_holds(bits):
     np.testing.assert_array_equal(out, expected)
     with pytest.raises(ValueError, match="accumulate needs out"):
         combine([], masks, dim, bits, accumulate=True)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_thread_s_chunks_out_of_order_give_the_same_words(accumulate):
+    """A thread that took over another thread's rest starts its streams again at the
+    chunk it took (AES-CTR seeks): chunks in any order, with jumps, give combine's words."""
+    from privacy.secagg import prg
+
+    step = prg.CHUNK_BYTES // 4
+    dim = 4 * step + 99
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 1 << 32, dim, dtype=np.uint64).astype(np.uint32)
+    masks = [(bytes([i]) * 32, 1 if i % 2 else -1) for i in range(3)]
+    start = rng.integers(0, 1 << 32, dim, dtype=np.uint64).astype(np.uint32)
+    want = combine([x], masks, dim, 32, out=start.copy(), accumulate=accumulate)
+    got = start.copy()
+    keys = [(prg.prg_key(seed), sign) for seed, sign in masks]
+    order = [(3 * step, 4 * step), (4 * step, dim), (0, step), (2 * step, 3 * step),
+             (step, 2 * step)]
+    prg._fill([x], keys, 32, got, accumulate, iter(order))
+    np.testing.assert_array_equal(got, want)

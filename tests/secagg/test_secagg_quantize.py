@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,66 @@ def test_quantize_validation():
         quantize(np.zeros(3), bits=8, clip_range=1.0, scale=1.0, rounding="up")
     q = quantize_weighted(np.array([-1.0, 0.0, 1.0]), 2.0, **kw)
     assert q.dtype == np.uint32 and q.tolist() == [0, 20, 40, 20]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32])
+@pytest.mark.parametrize(("rounding", "threads"), [("nearest", 1), ("stochastic", 1),
+                                                   ("stochastic", 3)])
+def test_the_encoding_pass_counts_what_it_clips(dtype, rounding, threads, monkeypatch):
+    """quantize_counting_into writes quantize_weighted_into's words and counts the clipped
+    coordinates as the client's separate pass does (float64 comparison; values at the
+    clip range are not clipped), on one thread or several."""
+    from client.secure_client import count_clipped
+    from privacy.secagg.quantize import (
+        CHUNK,
+        PARALLEL_COORDS,
+        quantize_counting_into,
+        quantize_weighted_into,
+    )
+    from tests.shared_chunks import every_thread_works
+
+    clip = 0.75 if dtype is not np.int32 else 3.0
+    d = PARALLEL_COORDS + 2 * CHUNK + 5
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(d) * (0.6 if dtype is not np.int32 else 3.0)).astype(dtype)
+    x[:4] = [clip, -clip, np.nextafter(clip, 2), -np.nextafter(clip, 2)] if dtype is not np.int32 \
+        else [3, -3, 4, -4]
+    kw = {"clip_range": clip, "scale": 2.0**16, "max_weight": 4.0, "rounding": rounding,
+          "threads": threads}
+    want = quantize_weighted_into(x, 3.0, rng=np.random.default_rng(2),
+                                  out=np.empty(d + 1, np.uint32), **kw)
+    seen = every_thread_works(monkeypatch)
+    got = np.empty(d + 1, np.uint32)
+    clipped = quantize_counting_into(x, 3.0, rng=np.random.default_rng(2), out=got, **kw)
+    np.testing.assert_array_equal(got, want)
+    assert clipped == count_clipped(x, clip) > 2
+    assert seen["shared"] == (threads > 1)
+
+
+def test_the_counting_pass_still_refuses_a_non_finite_update():
+    from privacy.secagg.quantize import quantize_counting_into
+
+    x = np.zeros(10, np.float32)
+    x[7] = np.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_counting_into(x, 1.0, clip_range=1.0, scale=2.0**10,
+                               out=np.empty(11, np.uint32))
+    assert quantize_counting_into(x[:5] + 3, 1.0, clip_range=1.0, scale=2.0**10,
+                                  out=np.empty(6, np.uint32)) == 5
+
+
+def test_a_thread_s_chunks_out_of_order_take_their_own_noise():
+    """Stochastic rounding: a thread that jumps to another thread's rest starts the noise
+    stream at that chunk's block, so any order of chunks gives the same words."""
+    q = importlib.import_module("privacy.secagg.quantize")  # the package's quantize: a function
+    d = 3 * q.CHUNK + 10
+    x = (np.random.default_rng(4).standard_normal(d) * 0.3).astype(np.float32)
+    kw = {"clip_range": 1.0, "scale": 2.0**20, "max_weight": 1.0}
+    want = q.quantize_weighted_into(x, 1.0, rng=np.random.default_rng(5),
+                                    out=np.empty(d + 1, np.uint32), **kw)
+    got = np.empty(d + 1, np.uint32)
+    key = np.random.default_rng(5).bytes(16)  # the noise key quantize draws first
+    args = (2.0**20, 2.0**20, 1.0, float(q.max_level(1.0, 2.0**20, 1.0)))
+    order = [(2 * q.CHUNK, 3 * q.CHUNK), (0, q.CHUNK), (3 * q.CHUNK, d), (q.CHUNK, 2 * q.CHUNK)]
+    assert q._encode_chunks(x, got, args, key, False, iter(order)) == 0
+    np.testing.assert_array_equal(got[:d], want[:d])

@@ -19,6 +19,7 @@ from server.secagg_config import SecAggScenarioConfig
 from server.secagg_session import SecAggSession, TrainStart
 from simulations.inprocess import InProcessGrid
 from simulations.silo_engine import ConcurrentGrid
+from tests.shared_chunks import every_thread_works
 
 N = 4  # k = 3: one self-mask and three pair masks per client
 DIM = max(PARALLEL_COORDS, PARALLEL_WORDS // (N + 1)) + 1000  # large enough for threads
@@ -46,8 +47,9 @@ def _round(inputs, threads: int, rounding: str):
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_a_round_with_clients_on_threads_sums_as_on_one_thread(rounding):
+def test_a_round_with_clients_on_threads_sums_as_on_one_thread(rounding, monkeypatch):
     inputs = synthetic_inputs(N, DIM)
+    every_thread_works(monkeypatch)  # no pool thread left out by starting late
     one, one_workers = _round(inputs, 1, rounding)
     many, many_workers = _round(inputs, 3, rounding)
     assert one_workers == 0  # one thread: nothing handed to the workers
