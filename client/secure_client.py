@@ -12,6 +12,11 @@ One round is four message round trips, all answered by the same ClientApp:
   loss or example count in the clear;
 - ``query.secagg`` with PUBLIC_KEYS -> SHARE_KEYS, with FORWARDED_SHARES -> MASKED_INPUT
   (the masked vector, in an ArrayRecord of bytes), with UNMASK_REQUEST -> UNMASK_RESPONSE.
+  In the merged flow (``privacy.secagg.params.MERGED``, the default of sessions whose
+  masked-input stage is not a ring) one round trip fewer: PUBLIC_KEYS -> SHARES_AND_INPUT
+  (the shares and the masked vector, in the ArrayRecord), then the forwarded shares ride
+  on the next message (SHARES_AND_CHECK or SHARES_AND_UNMASK); FORWARDED_SHARES ->
+  MASKED_INPUT runs only as the fallback, when some client sent no shares.
 
 A secure evaluation session (``federation.secure_evaluation``) starts with
 ``evaluate.secagg``: the model, the evaluate config and a SETUP whose settings give the
@@ -130,6 +135,9 @@ from privacy.secagg.quantize import (
 )
 from privacy.secagg.stages import MsgType
 
+#: The stage of the reply to each server message, the merged flow's included.
+_REPLY_STAGE = {**REPLY_STAGE, MsgType.SHARES_AND_CHECK: Stage.CONSISTENCY_CHECK,
+                MsgType.SHARES_AND_UNMASK: Stage.UNMASKING}
 HELD = "fedring.secagg.held"  # Context.state: the held delta until its buffer's SETUP
 STATE = "fedring.secagg"  # Context.state: the session and its settings
 INPUT = "fedring.secagg.input"  # Context.state: the quantized input until it is masked
@@ -565,34 +573,41 @@ class SecureClient:
         return Message(_protocol_content(reply), reply_to=msg)
 
     def query(self, msg: Message, context: Context) -> Message:
-        """Answer PUBLIC_KEYS, FORWARDED_SHARES or UNMASK_REQUEST from the stored session."""
+        """Answer PUBLIC_KEYS, FORWARDED_SHARES, CONSISTENCY_CHECK or UNMASK_REQUEST (in the
+        merged flow the last two may carry the forwarded shares) from the stored session.
+        In the merged flow the quantized input is masked with the PUBLIC_KEYS reply and
+        kept until the next message: a fallback (FORWARDED_SHARES) masks it again."""
         payload = _payload(msg)
         kind = read_header(payload).kind
         if kind is MsgType.SETUP:  # secure FedBuff: a buffer's session for a held delta
             return self._setup_held(msg, context)
         stored = context.state.get(STATE)
-        if not isinstance(stored, ConfigRecord) or kind not in REPLY_STAGE:
+        if not isinstance(stored, ConfigRecord) or kind not in _REPLY_STAGE:
             raise ProtocolError(f"no secure-aggregation session for a {kind.name} message")
         drop = stored.get(SecAggKey.DROPOUT_STAGE)
-        stage = REPLY_STAGE[kind]
+        stage = _REPLY_STAGE[kind]
         if isinstance(drop, int) and not isinstance(drop, bool) and 0 <= drop <= stage:
             raise InjectedDropout(f"simulated dropout at stage {Stage(drop).name.lower()}")
         session = SecAggClient.from_state(stored["state"], threads=mask_threads(context),
                                           **self._own(context))
-        if kind is MsgType.FORWARDED_SHARES:
+        merged = session.config is not None and session.config.merged
+        masks = kind is MsgType.FORWARDED_SHARES or (  # a client dropping at masking does not
+            kind is MsgType.PUBLIC_KEYS and merged and drop != Stage.MASKED_INPUT)
+        if masks:
             record = context.state.get(INPUT)
             if not isinstance(record, ArrayRecord) or "input" not in record:
                 raise ProtocolError("the quantized input of this round is gone")
             session.set_input(npy_view(record["input"]))
         reply = session.handle(payload)
-        if kind is MsgType.FORWARDED_SHARES:
-            del context.state[INPUT]
+        if kind is not MsgType.PUBLIC_KEYS:  # masked for good, or the fallback's chance gone
+            context.state.pop(INPUT, None)
+        if isinstance(reply, memoryview):  # a masked vector: MASKED_INPUT, SHARES_AND_INPUT
             vector = _record(SecAggKey.VECTOR, reply, context, dtype="uint8", shape=(len(reply),),
                              stype="bytes")
             content = RecordDict({SecAggRecord.VECTOR: vector})
         else:
             content = _protocol_content(reply)
-        if kind is MsgType.UNMASK_REQUEST:
+        if kind in (MsgType.UNMASK_REQUEST, MsgType.SHARES_AND_UNMASK):
             del context.state[STATE]  # the session is over: its keys go with it
         else:
             stored["state"] = session.export_state()

@@ -4,9 +4,17 @@ Message flow (client side in ``client.secure_client``), one push/pull per stage,
 with the deadline ``federation.round_timeout_s``:
 
     train.secagg  model + SETUP          -> ADVERTISE_KEYS   (the client trains first)
-    query.secagg  PUBLIC_KEYS            -> SHARE_KEYS
-    query.secagg  FORWARDED_SHARES       -> MASKED_INPUT     (uint8 ArrayRecord)
-    query.secagg  UNMASK_REQUEST         -> UNMASK_RESPONSE
+    query.secagg  PUBLIC_KEYS            -> SHARES_AND_INPUT (shares + masked vector,
+                                                              uint8 ArrayRecord)
+    query.secagg  SHARES_AND_UNMASK      -> UNMASK_RESPONSE  (the forwarded shares with
+                                                              the unmask request)
+
+That is the merged flow (``privacy.secagg.params.MERGED``): three round trips, four in
+the malicious mode (the shares then ride on the consistency check: SHARES_AND_CHECK ->
+CONSISTENCY_SIGNATURE, then UNMASK_REQUEST -> UNMASK_RESPONSE). When a client sent no
+shares, the session falls back to the classic flow's stage FORWARDED_SHARES ->
+MASKED_INPUT before the unmask request (or the consistency check); a session whose
+masked-input stage runs elsewhere (``masked_input``: a ring of silos) always runs it.
 
 A node that does not answer in time, or answers with an error, is a dropout of that
 stage; a client that refuses a session below its policy (``privacy.secagg.policy``)
@@ -72,6 +80,7 @@ from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord, eval_s
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggServer, SessionParams, Stage, Status, dequantize_weighted
 from privacy.secagg.eval_words import EvalWords
+from privacy.secagg.params import CLASSIC, MERGED
 from privacy.secagg.quantize import LOSS_RANGE, StatWords, max_level
 from server.compression import RoundPattern
 from server.grid_io import collect, push
@@ -251,7 +260,9 @@ class SecAggSession:
         outcome.clip_range = 0.0 if stats is None else settings.start_range
         server = SecAggServer(SessionParams.create(participants, words, bits=settings.bits,
                                                    k=k, t=t, run_id=self.protocol_id,
-                                                   round_id=rnd, security=settings.security),
+                                                   round_id=rnd, security=settings.security,
+                                                   flow=MERGED if masked_input is None
+                                                   else CLASSIC),
                               settings.policy)
         malicious = server.config.malicious
         common = {SecAggKey.RUN: self.protocol_id, SecAggKey.ROUND: rnd,
@@ -307,7 +318,8 @@ class SecAggSession:
             outbox, make = server.advance(), later
             outcome.stage_seconds[stage_name(stage)] = time.perf_counter() - started
             reveal = Stage.CONSISTENCY_CHECK if malicious else Stage.UNMASKING
-            if plan is not None and server.stage is reveal and stage is Stage.MASKED_INPUT \
+            masked = stage in (Stage.SHARE_KEYS, Stage.MASKED_INPUT)  # merged flow: SHARE_KEYS
+            if plan is not None and server.stage is reveal and masked \
                     and server.status is Status.RUNNING:
                 assert dp is not None
                 stop = _over_budget(dp, plan, len(server.survivors), len(participants))

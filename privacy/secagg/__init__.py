@@ -6,14 +6,19 @@ fixed-point quantization (:mod:`privacy.secagg.quantize`) and an in-process
 driver :func:`run_secagg_round`. ``SessionParams.security`` picks the threat model:
 "semi_honest" (the default) or "malicious" (:mod:`privacy.secagg.malicious`: signed key
 advertisements with :mod:`privacy.secagg.identity`, a graph derived from them, a
-consistency check before unmasking).
+consistency check before unmasking). ``SessionParams.flow`` picks the message flow:
+"merged" (the default: the masked input rides on the share-keys reply, one exchange
+fewer) or "classic".
 """
 
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.driver import run_secagg_round
 from privacy.secagg.errors import Aborted, ProtocolError
 from privacy.secagg.params import (
+    CLASSIC,
+    FLOWS,
     MALICIOUS,
+    MERGED,
     SECURITY_MODES,
     SEMI_HONEST,
     SessionParams,
@@ -33,9 +38,12 @@ from privacy.secagg.server import SecAggServer, Status
 from privacy.secagg.stages import Stage
 
 __all__ = [
+    "CLASSIC",
     "DEFAULT_POLICY",
+    "FLOWS",
     "MALICIOUS",
     "MECHANICS_ONLY",
+    "MERGED",
     "SECURITY_MODES",
     "SEMI_HONEST",
     "Aborted",

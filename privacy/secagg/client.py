@@ -8,6 +8,15 @@ Flow (one call of :meth:`SecAggClient.handle` per server message)::
     FORWARDED_SHARES -> MASKED_INPUT     y = x + PRG(b_u) + sum_v +-PRG(s_uv) mod 2^bits
     UNMASK_REQUEST   -> UNMASK_RESPONSE  b-shares of survivors, s^SK-shares of dropped peers
 
+In the merged flow (``SessionParams.flow``, the default) a client with its input set
+answers PUBLIC_KEYS with SHARES_AND_INPUT: its shares and y masked over exactly the
+neighbours listed there. Its forwarded shares then come with the next message
+(SHARES_AND_CHECK in the malicious mode, SHARES_AND_UNMASK otherwise), decrypted and
+checked as FORWARDED_SHARES's; a share that fails there is left out of the reply and
+named in it. If the server falls back to FORWARDED_SHARES instead, the client masks
+again over the senders received. It accepts forwarded shares once per round, and
+refuses the other flow's messages.
+
 Any message that breaks the protocol raises :class:`ProtocolError` and leaves the
 state unchanged, and so does a session below the client's own policy
 (:mod:`privacy.secagg.policy`: k >= 3 or the full graph, a connected graph, t > k/2,
@@ -52,7 +61,8 @@ from privacy.secagg.shamir import SHARE_BYTES, split_secret
 from privacy.secagg.stages import Stage
 
 _STATE_MAGIC = b"SC"
-_STATE_VERSION = 4
+_STATE_VERSION = 5  # 5: the merged flow's flag (masked input sent with the shares)
+_EARLY = 4  # state flag: the masked input went with the shares, the shares not yet back
 _STATE_HEAD = struct.Struct("<2sBBQBQI")
 _BLOB = struct.Struct("<I")
 _PEER = struct.Struct(f"<Q{kx.KEY_BYTES}s{kx.KEY_BYTES}s")  # id, share key to us, pair seed
@@ -111,6 +121,8 @@ class SecAggClient:
         self._peers: dict[int, tuple[bytes, bytes]] = {}  # peer -> (its share key, pair seed)
         self._held: dict[int, tuple[bytes, bytes]] = {}  # peer -> (b-share, sk-share)
         self._revealed: dict[int, ShareKind] = {}
+        self._early = False  # merged flow: masked input sent with the shares, shares not back
+        self._failed: tuple[int, ...] = ()  # merged flow: failed shares, for this reply only
 
     # --- public API --------------------------------------------------------
 
@@ -135,6 +147,8 @@ class SecAggClient:
             MsgType.FORWARDED_SHARES: self._on_forwarded_shares,
             MsgType.CONSISTENCY_CHECK: self._on_consistency_check,
             MsgType.UNMASK_REQUEST: self._on_unmask_request,
+            MsgType.SHARES_AND_CHECK: self._on_shares_and,
+            MsgType.SHARES_AND_UNMASK: self._on_shares_and,
         }
         if kind not in handlers:
             raise ProtocolError(f"a client does not accept {kind.name} messages")
@@ -197,32 +211,90 @@ class SecAggClient:
             derived[v] = (theirs, kx.pair_seed(s_shared, cfg.run_id, cfg.round_id,
                                                self.client_id, v))
         self._peers = derived
+        shares = msg.ShareKeys(tuple(out))
+        reply: bytes | memoryview
+        if cfg.merged and self._input is not None:  # masked over exactly these neighbours
+            word = msg.wire_dtype(cfg.bits)
+            head = msg.shares_and_input_head(self._header(MsgType.SHARES_AND_INPUT), shares,
+                                             cfg.dim, word)
+            reply = self._masked(head, self._checked_input(), derived, ids)
+        else:  # no input (yet): the shares alone; the masked input follows FORWARDED_SHARES
+            reply = msg.encode_share_keys(self._header(MsgType.SHARE_KEYS), shares)
+        self._peers = derived
+        self._early = not isinstance(reply, bytes)
         if cfg.malicious:
             self.neighbours, self._listed, self._digest = neighbours, m.advertised, digest
         self._c_sk = self._s_sk = None  # everything later needs is derived now
         self.stage = Stage.SHARE_KEYS
-        return msg.encode_share_keys(self._header(MsgType.SHARE_KEYS), msg.ShareKeys(tuple(out)))
+        return reply
 
-    def _on_forwarded_shares(self, payload: bytes) -> memoryview:
-        self._require_stage(Stage.SHARE_KEYS, "FORWARDED_SHARES")
-        x = self._checked_input()
-        h, m = msg.decode_forwarded_shares(payload)
-        held, failed = self._load_forwarded(h, m)
+    def _masked(self, head: bytes, x: np.ndarray, peers: dict[int, tuple[bytes, bytes]],
+                mask_with: list[int]) -> memoryview:
+        """``head`` then y = x + PRG(b_u) + sum over ``mask_with`` of +-PRG(s_uv), in a
+        reused buffer (:data:`buffers.POOL`)."""
         cfg = self._cfg
         masks = [(self._b_seed, 1)]
-        for v in sorted(held):
-            masks.append((self._peers[v][1], 1 if self.client_id < v else -1))
+        for v in sorted(mask_with):
+            masks.append((peers[v][1], 1 if self.client_id < v else -1))
         word = msg.wire_dtype(cfg.bits)  # the narrowest word for 2^bits: what goes on the wire
-        head = msg.masked_input_head(self._header(MsgType.MASKED_INPUT), failed, cfg.dim, word)
         reply = POOL.take(len(head) + cfg.dim * word.itemsize)  # reused, not zeroed
         reply[: len(head)] = head
         body = np.frombuffer(reply, word, count=cfg.dim, offset=len(head))
         combine([x], masks, cfg.dim, cfg.bits, out=body,  # narrows to the wire word if need be
                 threads=self.threads)
+        return reply
+
+    def _on_forwarded_shares(self, payload: bytes) -> memoryview:
+        if self.stage > Stage.SHARE_KEYS:
+            raise ProtocolError("forwarded shares already received this round: a second set "
+                                "is refused")
+        self._require_stage(Stage.SHARE_KEYS, "FORWARDED_SHARES")
+        x = self._checked_input()
+        h, m = msg.decode_forwarded_shares(payload)
+        held, failed = self._load_forwarded(h, m)
+        cfg = self._cfg
+        word = msg.wire_dtype(cfg.bits)
+        head = msg.masked_input_head(self._header(MsgType.MASKED_INPUT), failed, cfg.dim, word)
+        reply = self._masked(head, x, self._peers, sorted(held))  # the senders received
         self._held = held
         self._peers, self._b_seed = {}, b""
         self._input = None
+        self._early = False
         self.stage = Stage.MASKED_INPUT
+        return reply
+
+    def _on_shares_and(self, payload: bytes) -> bytes:
+        """Merged flow: the forwarded shares with the next message (the consistency check,
+        or in the semi-honest mode the unmask request), checked as FORWARDED_SHARES's, then
+        that message; nothing changes if either is refused."""
+        cfg = self._cfg
+        h, m, rest = msg.split_shares(payload)
+        if not cfg.merged:
+            raise ProtocolError(f"{h.kind.name} in a classic-flow session")
+        if self.stage > Stage.SHARE_KEYS:
+            raise ProtocolError("forwarded shares already received this round: a second set "
+                                "is refused")
+        if self.stage != Stage.SHARE_KEYS or not self._early:
+            raise ProtocolError(f"{h.kind.name}, but this client sent no masked input with "
+                                "its shares")
+        want = MsgType.SHARES_AND_CHECK if cfg.malicious else MsgType.SHARES_AND_UNMASK
+        if h.kind is not want:
+            raise ProtocolError(f"{h.kind.name} in a {cfg.security} session: the shares "
+                                f"travel with {want.name}")
+        held, failed = self._load_forwarded(h, m)
+        saved = (self._held, self._failed, self.stage)
+        self._held, self._failed, self.stage = held, failed, Stage.MASKED_INPUT
+        try:
+            reply = (self._on_consistency_check(rest) if cfg.malicious
+                     else self._on_unmask_request(rest))
+        except ProtocolError:
+            self._held, self._failed, self.stage = saved
+            raise
+        finally:
+            self._failed = ()
+        self._peers, self._b_seed = {}, b""
+        self._input = None
+        self._early = False
         return reply
 
     def _on_consistency_check(self, payload: bytes) -> bytes:
@@ -245,7 +317,7 @@ class SecAggClient:
         self._signed_set = m.survivors
         self.stage = Stage.CONSISTENCY_CHECK
         return msg.encode_consistency_signature(
-            self._header(MsgType.CONSISTENCY_SIGNATURE), signature)
+            self._header(MsgType.CONSISTENCY_SIGNATURE), signature, self._failed)
 
     def _on_unmask_request(self, payload: bytes) -> bytes:
         malicious = self._cfg.malicious
@@ -266,7 +338,8 @@ class SecAggClient:
                 f"request lists client {min(both)} as both surviving and dropped: "
                 "refusing to reveal both shares of one peer"
             )
-        for v in sorted(survivors | dropped):
+        skipped = set(self._failed)  # merged flow: failed with this request, reported
+        for v in sorted((survivors | dropped) - skipped):
             if v not in self._held:
                 raise ProtocolError(f"request names client {v}, whose shares this client lacks")
             kind = ShareKind.SELF_MASK if v in survivors else ShareKind.MASK_KEY
@@ -277,13 +350,15 @@ class SecAggClient:
                 )
         out = []
         for v in m.survivors:
-            out.append(RevealedShare(v, ShareKind.SELF_MASK, self._held[v][0]))
-            self._revealed[v] = ShareKind.SELF_MASK
+            if v not in skipped:
+                out.append(RevealedShare(v, ShareKind.SELF_MASK, self._held[v][0]))
+                self._revealed[v] = ShareKind.SELF_MASK
         for v in m.dropped:
-            out.append(RevealedShare(v, ShareKind.MASK_KEY, self._held[v][1]))
-            self._revealed[v] = ShareKind.MASK_KEY
+            if v not in skipped:
+                out.append(RevealedShare(v, ShareKind.MASK_KEY, self._held[v][1]))
+                self._revealed[v] = ShareKind.MASK_KEY
         self.stage = Stage.UNMASKING
-        reply = msg.UnmaskResponse(tuple(out))
+        reply = msg.UnmaskResponse(tuple(out), self._failed)
         return msg.encode_unmask_response(self._header(MsgType.UNMASK_RESPONSE), reply)
 
     # --- validation of server messages (no side effects but the returned values) ---
@@ -512,6 +587,7 @@ class SecAggClient:
         shares revealed so far.
         """
         flags = (self.expected_run_id is not None) | (self.expected_round_id is not None) << 1
+        flags |= _EARLY if self._early else 0
         head = _STATE_HEAD.pack(
             _STATE_MAGIC,
             _STATE_VERSION,
@@ -574,6 +650,7 @@ class SecAggClient:
             security=own.security,
         )
         client.stage = Stage(stage)
+        client._early = bool(flags & _EARLY)
         setup, secrets, peers, held = blobs[:4]
         # what each stage keeps: (secrets length, announced peers, held shares)
         expected = {
@@ -592,6 +669,8 @@ class SecAggClient:
         if setup:
             client._load_setup(*_decode_setup(setup))
             client._setup_raw = setup
+        if client._early and (client.stage != Stage.SHARE_KEYS or not client._cfg.merged):
+            raise ProtocolError(f"client state does not match stage {client.stage.name}")
         if len(blobs) == 6:
             client._restore_malicious(blobs[4], blobs[5])
         if len(secrets) == 96:

@@ -15,7 +15,7 @@ import numpy as np
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.identity import Identity, TrustedKeys
-from privacy.secagg.params import MALICIOUS, SEMI_HONEST, SessionParams
+from privacy.secagg.params import MALICIOUS, MERGED, SEMI_HONEST, SessionParams
 from privacy.secagg.policy import DEFAULT_POLICY, SecAggPolicy
 from privacy.secagg.server import SecAggServer, Status
 from privacy.secagg.stages import Stage
@@ -46,13 +46,15 @@ def run_secagg_round(
     trusted: TrustedKeys | None = None,
     server_trusted: TrustedKeys | None = None,
     clients_out: dict[int, SecAggClient] | None = None,
+    flow: str = MERGED,
 ) -> tuple[np.ndarray | None, SecAggServer]:
     """Run one round; returns (sum mod 2^bits, server), or (None, server) if aborted.
 
     ``inputs[i]`` belongs to client ``ids[i]`` (default 1..n). ``drop[c] = s`` makes
     client c go silent from stage s on: it sends no reply belonging to stage s or
     later (Stage.UNMASKING: it masks its input but never answers the unmask
-    request). A client that refuses a server message (ProtocolError) is silent from
+    request; Stage.MASKED_INPUT in the merged flow: it sends its shares without its
+    masked input). A client that refuses a server message (ProtocolError) is silent from
     then on; its reason goes to ``client_errors``. ``client_seconds`` receives each
     client's total time in :meth:`SecAggClient.handle`. ``policy`` is both the server's
     and every client's (ValueError if the configuration is below it).
@@ -60,7 +62,8 @@ def run_secagg_round(
     ``security`` "malicious": every client gets ``identities[c]`` (fresh ones by default)
     and trusts ``trusted`` (by default exactly those identities) and requires the mode;
     the server gets ``server_trusted`` (None: it checks signatures, not trust).
-    ``clients_out`` receives the clients.
+    ``clients_out`` receives the clients. ``flow``: the message flow
+    (:data:`~privacy.secagg.params.MERGED` or ``CLASSIC``).
     """
     n = len(inputs)
     ids = list(ids) if ids is not None else list(range(1, n + 1))
@@ -68,7 +71,7 @@ def run_secagg_round(
     dim = int(np.asarray(inputs[0]).size)
     config = SessionParams.create(
         ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed,
-        security=security,
+        security=security, flow=flow,
     )
     server = SecAggServer(config, policy, server_trusted)
     if security == MALICIOUS:
@@ -83,7 +86,8 @@ def run_secagg_round(
     if clients_out is not None:
         clients_out.update(clients)
     for c, x in zip(ids, inputs, strict=True):
-        clients[c].set_input(x)
+        if drop.get(c, Stage.UNMASKING) > Stage.MASKED_INPUT:  # else it never masks
+            clients[c].set_input(x)
     silent: set[int] = set()
     outbox = server.start()
     while server.status is Status.RUNNING:

@@ -31,7 +31,19 @@ messages (the semi-honest bodies above are unchanged)::
     UNMASK_REQUEST    as above, then m u32, m x (signer's advertisement as in
                       PUBLIC_KEYS, consistency signature 64B)
     CONSISTENCY_CHECK       s u32, s survivor ids (increasing)
-    CONSISTENCY_SIGNATURE   signature 64B
+    CONSISTENCY_SIGNATURE   signature 64B[, f u32, f ids of failed-share senders]
+
+SETUP's mode byte holds bits: 0x01 malicious, 0x10 the merged flow (absent: semi-honest,
+classic flow: a SETUP means what it meant before the merged flow). The merged flow
+(:data:`~privacy.secagg.params.MERGED`) adds three messages::
+
+    SHARES_AND_INPUT   SHARE_KEYS body, zero bytes to a multiple of 8, MASKED_INPUT body
+                       with f = 0 (the words aligned)
+    SHARES_AND_CHECK   m u32, m x (sender id, ciphertext 94B), then a CONSISTENCY_CHECK body
+    SHARES_AND_UNMASK  m u32, m x (sender id, ciphertext 94B), then an UNMASK_REQUEST body
+
+and UNMASK_RESPONSE (like CONSISTENCY_SIGNATURE) may end with f u32, f ids: the senders
+whose shares, received with the request, did not authenticate (sent only when f > 0).
 
 A ciphertext is nonce 12B || AES-GCM(b-share 33B || sk-share 33B) || tag 16B.
 Encoders return ``bytes``, except MASKED_INPUT: :func:`new_masked_input` gives a
@@ -56,7 +68,15 @@ import numpy as np
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES
 from privacy.secagg.keys import KEY_BYTES, NONCE_BYTES, TAG_BYTES
-from privacy.secagg.params import MALICIOUS, MAX_CLIENTS, SEED_BYTES, SessionParams
+from privacy.secagg.params import (
+    CLASSIC,
+    MALICIOUS,
+    MAX_CLIENTS,
+    MERGED,
+    SEED_BYTES,
+    SEMI_HONEST,
+    SessionParams,
+)
 from privacy.secagg.shamir import PRIME, SHARE_BYTES
 from privacy.secagg.stages import MsgType
 
@@ -80,7 +100,10 @@ _SIGNED_PEER = struct.Struct(f"<Q{KEY_BYTES}s{KEY_BYTES}s{KEY_BYTES}s"
 _LIST_ENTRY = struct.Struct(f"<Q{KEY_BYTES}s")
 _SIG = struct.Struct(f"<{SIGNATURE_BYTES}s")
 _SIGNED_SET = struct.Struct(_SIGNED_PEER.format + f"{SIGNATURE_BYTES}s")  # + consistency sig.
-_MODE_MALICIOUS = 1
+_MODE_MALICIOUS = 1  # SETUP's optional mode byte: these bits; absent: semi-honest, classic
+_MODE_MERGED = 0x10
+_MODES = {(False, False): 0, (True, False): _MODE_MALICIOUS,
+          (False, True): _MODE_MERGED, (True, True): _MODE_MALICIOUS | _MODE_MERGED}
 
 T = TypeVar("T")
 
@@ -178,6 +201,7 @@ class RevealedShare:
 @dataclass(frozen=True)
 class UnmaskResponse:
     shares: tuple[RevealedShare, ...]
+    failed: tuple[int, ...] = ()  # merged flow: senders whose shares did not authenticate
 
 
 class _Reader:
@@ -264,7 +288,8 @@ def _unique_peers(pairs: tuple[tuple[int, T], ...]) -> tuple[tuple[int, T], ...]
 def encode_setup(config: SessionParams, recipient: int) -> bytes:
     h = Header(MsgType.SETUP, config.run_id, config.round_id, recipient)
     body = _SETUP.pack(config.n, config.k, config.t, config.bits, config.dim, config.seed)
-    mode = bytes([_MODE_MALICIOUS]) if config.malicious else b""
+    bits = _MODES[(config.malicious, config.merged)]
+    mode = bytes([bits]) if bits else b""
     return _header_bytes(h) + body + struct.pack(f"<{config.n}Q", *config.participants) + mode
 
 
@@ -274,15 +299,17 @@ def decode_setup(data: bytes) -> tuple[Header, SessionParams]:
     if n > MAX_CLIENTS or len(r.data) - r.pos not in (8 * n, 8 * n + 1):
         raise ProtocolError(f"participant count {n} does not fit the message length")
     ids = r.unpack(struct.Struct(f"<{n}Q"))
-    security = "semi_honest"
+    mode = 0
     if r.pos < len(r.data):
         (mode,) = r.unpack(struct.Struct("<B"))
-        if mode != _MODE_MALICIOUS:
+        if mode not in _MODES.values() or not mode:
             raise ProtocolError(f"unknown security mode {mode}")
-        security = MALICIOUS
     r.end()
+    security = MALICIOUS if mode & _MODE_MALICIOUS else SEMI_HONEST
+    flow = MERGED if mode & _MODE_MERGED else CLASSIC
     try:
-        config = SessionParams(ids, k, t, bits, dim, h.run_id, h.round_id, seed, security)
+        config = SessionParams(ids, k, t, bits, dim, h.run_id, h.round_id, seed, security,
+                               flow)
     except ValueError as exc:
         raise ProtocolError(f"invalid configuration: {exc}") from None
     return h, config
@@ -384,6 +411,88 @@ def encode_forwarded_shares(h: Header, m: ForwardedShares) -> bytes:
 def decode_forwarded_shares(data: bytes) -> tuple[Header, ForwardedShares]:
     h, shares = _decode_addressed(data, MsgType.FORWARDED_SHARES)
     return h, ForwardedShares(shares)
+
+
+# --- the merged flow: SHARES_AND_INPUT, SHARES_AND_CHECK, SHARES_AND_UNMASK --------
+
+
+def shares_and_input_head(h: Header, m: ShareKeys, dim: int, dtype: np.dtype) -> bytes:
+    """Everything of a SHARES_AND_INPUT message before its ``dim`` words: the SHARE_KEYS
+    body, zero bytes up to a multiple of 8, then a MASKED_INPUT body's head (no failed
+    peers), so the words are aligned."""
+    shares = _encode_addressed(h, m.shares)
+    pad = -len(shares) % 8
+    tail = masked_input_head(h, (), dim, dtype)[HEADER.size :]
+    return shares + bytes(pad) + tail
+
+
+def decode_shares_and_input(data: bytes) -> tuple[Header, ShareKeys, MaskedInput]:
+    """A SHARES_AND_INPUT message; the vector is a read-only zero-copy view, as in
+    :func:`decode_masked_input`."""
+    h, r = _open(data, MsgType.SHARES_AND_INPUT)
+    shares = _unique_peers(tuple(r.unpack(_ADDRESSED_CT)
+                                 for _ in range(r.count(_ADDRESSED_CT.size))))
+    pad = -r.pos % 8
+    if any(r.data[r.pos : r.pos + pad]):
+        raise ProtocolError("nonzero padding bytes")
+    r.pos += pad
+    if r.pos + _VECTOR_HEAD.size <= len(r.data) and any(r.data[r.pos + 1 : r.pos + 4]):
+        raise ProtocolError("nonzero padding bytes")
+    word, nfailed, dim = r.unpack(_VECTOR_HEAD)
+    if word not in WORD_SIZES:
+        raise ProtocolError(f"word size must be 1, 2, 4 or 8 bytes, got {word}")
+    if nfailed:
+        raise ProtocolError("a masked input sent with the shares reports no failed peers")
+    if dim * word != len(r.data) - r.pos:
+        raise ProtocolError(f"{dim} words do not fit the message length")
+    vec = np.frombuffer(r.data, dtype=f"<u{word}", count=dim, offset=r.pos)
+    return h, ShareKeys(shares), MaskedInput((), vec)
+
+
+_WITH_SHARES = {MsgType.CONSISTENCY_CHECK: MsgType.SHARES_AND_CHECK,
+                MsgType.UNMASK_REQUEST: MsgType.SHARES_AND_UNMASK}
+_WITHOUT_SHARES = {v: k for k, v in _WITH_SHARES.items()}
+
+
+def with_shares(message: bytes, m: ForwardedShares) -> bytes:
+    """A CONSISTENCY_CHECK or UNMASK_REQUEST message with the recipient's forwarded shares
+    in front of its body: SHARES_AND_CHECK or SHARES_AND_UNMASK (merged flow)."""
+    h = read_header(message)
+    if h.kind not in _WITH_SHARES:
+        raise ValueError(f"shares do not travel with a {h.kind.name} message")
+    block = _encode_addressed(h, m.shares)[HEADER.size :]
+    kind = _WITH_SHARES[h.kind]
+    return _header_bytes(Header(kind, h.run_id, h.round_id, h.client_id)) + block + \
+        bytes(message[HEADER.size :])
+
+
+def split_shares(data: bytes) -> tuple[Header, ForwardedShares, bytes]:
+    """:func:`with_shares` undone: (header, the forwarded shares, the message without
+    them, a CONSISTENCY_CHECK or UNMASK_REQUEST to decode as such)."""
+    h, r = _open(data, None)
+    if h.kind not in _WITHOUT_SHARES:
+        raise ProtocolError(f"a {h.kind.name} message carries no forwarded shares")
+    shares = _unique_peers(tuple(r.unpack(_ADDRESSED_CT)
+                                 for _ in range(r.count(_ADDRESSED_CT.size))))
+    base = Header(_WITHOUT_SHARES[h.kind], h.run_id, h.round_id, h.client_id)
+    return h, ForwardedShares(shares), _header_bytes(base) + bytes(r.data[r.pos :])
+
+
+def _encode_failed(failed: tuple[int, ...]) -> bytes:
+    """An optional trailing list of failed-share senders: absent when empty."""
+    if not failed:
+        return b""
+    return _U32.pack(len(failed)) + struct.pack(f"<{len(failed)}Q", *failed)
+
+
+def _decode_failed(r: _Reader) -> tuple[int, ...]:
+    """:func:`_encode_failed` undone at the reader's end: () when nothing is left."""
+    if r.pos == len(r.data):
+        return ()
+    failed = r.ids(r.count(8))
+    if not failed:
+        raise ProtocolError("an empty failed-share list is sent as none")
+    return failed
 
 
 # --- MASKED_INPUT ----------------------------------------------------------
@@ -534,15 +643,25 @@ def decode_consistency_check(data: bytes) -> tuple[Header, ConsistencyCheck]:
     return h, ConsistencyCheck(survivors)
 
 
-def encode_consistency_signature(h: Header, signature: bytes) -> bytes:
-    return _header_bytes(h) + _SIG.pack(signature)
+def encode_consistency_signature(h: Header, signature: bytes,
+                                 failed: tuple[int, ...] = ()) -> bytes:
+    """``failed`` (merged flow): the senders whose forwarded shares did not authenticate,
+    a trailing list (f u32, f ids) sent only when not empty."""
+    return _header_bytes(h) + _SIG.pack(signature) + _encode_failed(failed)
 
 
 def decode_consistency_signature(data: bytes) -> tuple[Header, bytes]:
+    h, signature, _ = decode_consistency_reply(data)
+    return h, signature
+
+
+def decode_consistency_reply(data: bytes) -> tuple[Header, bytes, tuple[int, ...]]:
+    """A CONSISTENCY_SIGNATURE with its failed-share senders (() when none)."""
     h, r = _open(data, MsgType.CONSISTENCY_SIGNATURE)
     (signature,) = r.unpack(_SIG)
+    failed = _decode_failed(r)
     r.end()
-    return h, signature
+    return h, signature, failed
 
 
 # --- UNMASK_RESPONSE -------------------------------------------------------
@@ -551,6 +670,7 @@ def decode_consistency_signature(data: bytes) -> tuple[Header, bytes]:
 def encode_unmask_response(h: Header, m: UnmaskResponse) -> bytes:
     parts = [_header_bytes(h), _U32.pack(len(m.shares))]
     parts += [_SHARE.pack(s.peer, s.kind, s.share) for s in m.shares]
+    parts.append(_encode_failed(m.failed))
     return b"".join(parts)
 
 
@@ -571,8 +691,9 @@ def decode_unmask_response(data: bytes) -> tuple[Header, UnmaskResponse]:
         seen.add((peer, kind))
         out.append(RevealedShare(peer, kind, share))
     r.pos = end
+    failed = _decode_failed(r)
     r.end()
-    return h, UnmaskResponse(tuple(out))
+    return h, UnmaskResponse(tuple(out), failed)
 
 
 DECODERS = {
@@ -586,6 +707,9 @@ DECODERS = {
     MsgType.UNMASK_RESPONSE: decode_unmask_response,
     MsgType.CONSISTENCY_CHECK: decode_consistency_check,
     MsgType.CONSISTENCY_SIGNATURE: decode_consistency_signature,
+    MsgType.SHARES_AND_INPUT: decode_shares_and_input,
+    MsgType.SHARES_AND_CHECK: split_shares,
+    MsgType.SHARES_AND_UNMASK: split_shares,
 }
 
 

@@ -84,6 +84,13 @@ DEFAULT_CORRUPT_FRACTION = 0.05
 SEMI_HONEST = "semi_honest"
 MALICIOUS = "malicious"
 SECURITY_MODES = (SEMI_HONEST, MALICIOUS)
+#: Message flows: "merged" (the default) sends the masked input with the shares (one
+#: exchange fewer; the server falls back to the classic flow when a client sent no shares);
+#: "classic" always runs FORWARDED_SHARES -> MASKED_INPUT (a masked-input stage of its own,
+#: e.g. summed over a ring of silos).
+MERGED = "merged"
+CLASSIC = "classic"
+FLOWS = (MERGED, CLASSIC)
 
 
 def default_threshold(k: int, threshold_fraction: float = 0.5) -> int:
@@ -194,7 +201,8 @@ class SessionParams:
     ``participants`` are distinct client ids (uint64) in increasing order; the
     graph is built on their positions from the public ``seed`` (semi-honest mode) or from
     a seed derived from the round's signed key advertisements (``security`` "malicious":
-    :mod:`privacy.secagg.malicious`; ``seed`` is then unused).
+    :mod:`privacy.secagg.malicious`; ``seed`` is then unused). ``flow``: :data:`MERGED`
+    or :data:`CLASSIC`; a client refuses the messages of the other.
     """
 
     participants: tuple[int, ...]
@@ -206,6 +214,7 @@ class SessionParams:
     round_id: int
     seed: bytes
     security: str = SEMI_HONEST
+    flow: str = MERGED
 
     def __post_init__(self) -> None:
         p = self.participants
@@ -233,6 +242,13 @@ class SessionParams:
         if self.security not in SECURITY_MODES:
             raise ValueError(f"security must be one of {', '.join(SECURITY_MODES)}, "
                              f"got {self.security!r}")
+        if self.flow not in FLOWS:
+            raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {self.flow!r}")
+
+    @property
+    def merged(self) -> bool:
+        """Whether the masked input rides on the share-keys reply (:data:`MERGED`)."""
+        return self.flow == MERGED
 
     @property
     def malicious(self) -> bool:
@@ -267,6 +283,7 @@ class SessionParams:
         round_id: int = 0,
         seed: bytes | None = None,
         security: str = SEMI_HONEST,
+        flow: str = MERGED,
     ) -> SessionParams:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
@@ -283,7 +300,7 @@ class SessionParams:
             t = default_threshold(k)
         if seed is None:
             seed = os.urandom(SEED_BYTES)
-        return cls(ids, k, t, bits, dim, run_id, round_id, seed, security)
+        return cls(ids, k, t, bits, dim, run_id, round_id, seed, security, flow)
 
 
 def word_dtype(bits: int) -> np.dtype:

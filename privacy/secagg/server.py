@@ -37,6 +37,14 @@ advertisement list, derives the graph from it at the close of stage 1, and runs 
 consistency check (stage CONSISTENCY_CHECK) between masking and unmasking: it unmasks
 only with a quorum of signatures on the survivor set, which it forwards to each signer.
 
+In the merged flow (``config.flow``, the default) the masked inputs come with the shares
+(SHARES_AND_INPUT): when every client sent PUBLIC_KEYS answers with shares, the stage
+SHARE_KEYS closes as the masked-input stage too (``merged``; no time is spent in stage
+MASKED_INPUT) and each survivor's ciphertexts go with the next message (the consistency
+check, or the unmask request); otherwise the early vectors are dropped and the classic
+FORWARDED_SHARES -> MASKED_INPUT stage runs. A share that fails authentication is then
+reported with the next reply: its sender is rejected, its vector stays in the sum.
+
 Cost: masked vectors are added into one running sum as they arrive (a sender
 rejected later is subtracted again), so only that sum is kept for stage 4, where
 the secrets are rebuilt (one set of Lagrange coefficients per set of holders)
@@ -106,6 +114,11 @@ class SecAggServer:
         self._cts: dict[int, dict[int, bytes]] = {}  # sender -> receiver -> ciphertext
         self._forwarded: dict[int, frozenset[int]] = {}  # u -> senders forwarded to u
         self._masked_with: dict[int, frozenset[int]] = {}  # survivor -> peers in its masks
+        self._holds: dict[int, frozenset[int]] = {}  # survivor -> peers whose shares it holds
+        self._early: dict[int, msg.MaskedInput] = {}  # merged flow: inputs with the shares
+        self._pending: dict[int, msg.ForwardedShares] = {}  # merged: shares for the next msg
+        self.merged = False  # whether the masked inputs came with the shares (no fallback)
+        self._late_failed: dict[int, tuple[int, ...]] = {}  # merged: failed shares reported
         self._summed: dict[int, np.ndarray] = {}  # masked vectors added into _sum so far
         self._sum: np.ndarray | None = None  # their running sum (words, wrapping)
         self._requested: dict[int, frozenset[tuple[int, ShareKind]]] = {}
@@ -244,7 +257,8 @@ class SecAggServer:
         if h.client_id != sender:
             raise ProtocolError(f"header names client {h.client_id}, sent by {sender}")
         expected = REPLY_TYPE[self.stage]
-        if h.kind != expected:
+        if h.kind not in expected or (h.kind is MsgType.SHARES_AND_INPUT
+                                      and not cfg.merged):
             raise ProtocolError(f"{h.kind.name} message in stage {self.stage.name}")
         handler = {
             Stage.ADVERTISE_KEYS: self._accept_keys,
@@ -278,11 +292,28 @@ class SecAggServer:
 
     def _accept_consistency(self, sender: int, payload: bytes) -> bytes:
         """A consistency signature, verified when the stage closes (as far as needed)."""
-        _, signature = msg.decode_consistency_signature(payload)
+        _, signature, failed = msg.decode_consistency_reply(payload)
+        self._late_failed.pop(sender, None)
+        if failed:
+            self._check_failed(sender, failed)
+            self._late_failed[sender] = failed
         return signature
 
+    def _check_failed(self, sender: int, failed: tuple[int, ...]) -> None:
+        """Failed shares reported after the merged flow's shares: only of their senders."""
+        if not self.merged:
+            raise ProtocolError("reports failed shares outside the merged flow")
+        unknown = set(failed) - self._forwarded[sender]
+        if unknown:
+            raise ProtocolError(f"reports failed shares it was never sent: {sorted(unknown)}")
+
     def _accept_shares(self, sender: int, payload: bytes) -> dict[int, bytes]:
-        _, m = msg.decode_share_keys(payload)
+        early = None
+        if msg.read_header(payload).kind is MsgType.SHARES_AND_INPUT:
+            _, m, early = msg.decode_shares_and_input(payload)
+            self._check_vector(early)
+        else:
+            _, m = msg.decode_share_keys(payload)
         told = self._told_keys[sender]
         cts = dict(m.shares)
         for receiver in cts:
@@ -293,10 +324,21 @@ class SecAggServer:
         missing = told - cts.keys()
         if missing:
             raise ProtocolError(f"no share for neighbours {sorted(missing)}")
+        if early is not None:  # summed as it comes; taken out again if the fallback runs
+            self._early[sender] = early
+            self._add_vector(sender, early.vector)
         return cts
 
     def _accept_masked_input(self, sender: int, payload: bytes) -> msg.MaskedInput:
         _, m = msg.decode_masked_input(payload)
+        self._check_vector(m)
+        unknown = set(m.failed) - self._forwarded[sender]
+        if unknown:
+            raise ProtocolError(f"reports failed shares it was never sent: {sorted(unknown)}")
+        return m
+
+    def _check_vector(self, m: msg.MaskedInput) -> None:
+        """A masked vector's length, word size and range."""
         cfg = self.config
         dtype = msg.wire_dtype(cfg.bits)  # narrowest word; summed in cfg.word_dtype
         if m.vector.size != cfg.dim or m.vector.dtype.itemsize != dtype.itemsize:
@@ -306,10 +348,6 @@ class SecAggServer:
             )
         if cfg.bits < 8 * dtype.itemsize and int(m.vector.max()) >> cfg.bits:
             raise ProtocolError(f"masked vector has values >= 2^{cfg.bits}")
-        unknown = set(m.failed) - self._forwarded[sender]
-        if unknown:
-            raise ProtocolError(f"reports failed shares it was never sent: {sorted(unknown)}")
-        return m
 
     def _accept_unmask_response(self, sender: int, payload: bytes) -> msg.UnmaskResponse:
         _, m = msg.decode_unmask_response(payload)
@@ -317,9 +355,15 @@ class SecAggServer:
         for s in m.shares:
             if kinds.setdefault(s.peer, s.kind) != s.kind:
                 raise ProtocolError(f"response carries both shares of client {s.peer}")
+        if m.failed:  # merged flow: shares that came with the request and did not decrypt
+            self._check_failed(sender, m.failed)
         got = {(s.peer, s.kind) for s in m.shares}
-        if got != self._requested[sender]:
+        want = {(v, kind) for v, kind in self._requested[sender] if v not in m.failed}
+        if got != want:
             raise ProtocolError("response does not match the shares requested")
+        self._late_failed.pop(sender, None)
+        if m.failed:
+            self._late_failed[sender] = m.failed
         return m
 
     # --- closing stages ------------------------------------------------------
@@ -374,17 +418,41 @@ class SecAggServer:
         self.neighbours = self._graph(mal.derive_seed(self.list_digest))
 
     def _close_share_keys(self) -> dict[int, bytes]:
+        """Merged flow, every client sent PUBLIC_KEYS answered with shares: the masked
+        inputs that came with them are the masked-input stage's (a client that sent shares
+        alone is its dropout), and each survivor's shares go with the next message.
+        Otherwise (the fallback, or the classic flow) the shares are forwarded and the
+        masked-input stage runs: the early inputs are discarded."""
         self._cts = dict(self._received)  # type: ignore[arg-type]
+        self.merged = bool(self._early) and self._cts.keys() == self._told_keys.keys()
+        if not self.merged:
+            for u in list(self._summed):
+                self._remove_vector(u)
+            self._early, self._summed, self._sum = {}, {}, None
         active = self._prune(set(self._cts), "shares")
-        out = {}
+        out, shares = {}, {}
         for v in sorted(active):
             senders = sorted(self.neighbours[v] & active)
             self._forwarded[v] = frozenset(senders)
-            shares = tuple((u, self._cts[u][v]) for u in senders)
-            h = self._header(MsgType.FORWARDED_SHARES, v)
-            out[v] = msg.encode_forwarded_shares(h, msg.ForwardedShares(shares))
+            shares[v] = msg.ForwardedShares(tuple((u, self._cts[u][v]) for u in senders))
+            if not self.merged:
+                h = self._header(MsgType.FORWARDED_SHARES, v)
+                out[v] = msg.encode_forwarded_shares(h, shares[v])
         self._open(Stage.MASKED_INPUT, active)
-        return out
+        if not self.merged:
+            return out
+        self._received = dict(self._early)
+        self.dropouts[Stage.MASKED_INPUT] = frozenset(active - self._early.keys())
+        self.awaiting, self._early, self._pending = set(), {}, shares
+        return self._close_masked_input()
+
+    def _with_shares(self, out: dict[int, bytes]) -> dict[int, bytes]:
+        """Merged flow: each message of ``out`` with its recipient's forwarded shares in
+        front (the first message after the shares came, once)."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return out
+        return {w: msg.with_shares(payload, pending[w]) for w, payload in out.items()}
 
     def _close_masked_input(self) -> dict[int, bytes]:
         inputs: dict[int, msg.MaskedInput] = dict(self._received)  # type: ignore[arg-type]
@@ -402,6 +470,7 @@ class SecAggServer:
         if few is not None:
             raise Aborted(f"{few}; no share was requested")
         self._masked_with = {u: self._forwarded[u] - set(inputs[u].failed) for u in survivors}
+        self._holds = dict(self._masked_with)
         if self.policy.require_connected:
             links = {u: self._masked_with[u] & survivors for u in survivors}
             part = component_of(min(survivors), links)
@@ -414,8 +483,8 @@ class SecAggServer:
             self._remove_vector(u)
         self._summed = {}  # the sum is all that is kept of the survivors' vectors
         if self.config.malicious:
-            return self._consistency_check()
-        return self._unmask_requests(survivors)
+            return self._with_shares(self._consistency_check())
+        return self._with_shares(self._unmask_requests(survivors))
 
     def _consistency_check(self) -> dict[int, bytes]:
         """Malicious mode: send every survivor the survivor set to sign."""
@@ -435,6 +504,9 @@ class SecAggServer:
         verified: no client relies on them (each checks the forwarded quorum itself), and
         their signers answer the unmask request like the others."""
         self._signatures = dict(self._received)  # type: ignore[arg-type]
+        self._blame_failed()
+        for v in self.rejected:
+            self._signatures.pop(v, None)
         need = self._quorum()
         valid = 0
         for w in sorted(self._signatures):
@@ -464,7 +536,7 @@ class SecAggServer:
         survivors = self.survivors
         holders: dict[int, list[int]] = {}
         for w in sorted(responders):
-            for v in self._masked_with[w]:
+            for v in self._holds[w]:
                 holders.setdefault(v, []).append(w)
         t = self.config.t
         for u in sorted(survivors):
@@ -488,7 +560,7 @@ class SecAggServer:
         block = msg.encode_signed_sets(signed) if malicious else None  # one for all
         out = {}
         for w in sorted(responders):
-            mine = self._masked_with[w]
+            mine = self._holds[w]
             req = msg.UnmaskRequest(tuple(sorted(mine & survivors)),
                                     tuple(sorted(mine & dropped)), signed)
             self._requested[w] = frozenset(
@@ -502,6 +574,8 @@ class SecAggServer:
 
     def _close_unmasking(self) -> dict[int, bytes]:
         responses: dict[int, msg.UnmaskResponse] = dict(self._received)  # type: ignore[arg-type]
+        for v in self._blame_failed():
+            responses.pop(v, None)  # its shares are ignored; its vector stays in the sum
         cfg = self.config
         shares: dict[tuple[int, ShareKind], list[tuple[int, bytes]]] = {}
         for w in sorted(responses):
@@ -537,6 +611,20 @@ class SecAggServer:
         return {}
 
     # --- helpers ------------------------------------------------------------
+
+    def _blame_failed(self) -> set[int]:
+        """Merged flow: reject the senders of shares reported failed with the next message
+        (their vectors are in the sum already and stay there); the holders lose them."""
+        blamed = set()
+        for u, failed in sorted(self._late_failed.items()):
+            if u in self._holds:
+                self._holds[u] = self._holds[u] - set(failed)
+            for v in failed:
+                blamed.add(v)
+                self.rejected.setdefault(
+                    v, f"its share for client {u} failed authentication (AES-GCM tag)")
+        self._late_failed = {}
+        return blamed
 
     def _valid(self, key: tuple[int, ShareKind]) -> tuple[Callable[[bytes], bool], str]:
         """How a reconstructed secret is checked, and what it is (for an abort reason)."""
@@ -636,7 +724,9 @@ class SecAggServer:
         self.rejected.setdefault(sender, reason)
         self.awaiting.discard(sender)
         self._received.pop(sender, None)
-        if self.stage is Stage.MASKED_INPUT:
+        self._late_failed.pop(sender, None)
+        if self.stage in (Stage.SHARE_KEYS, Stage.MASKED_INPUT):
+            self._early.pop(sender, None)
             self._remove_vector(sender)
 
     def _abort(self, reason: str) -> None:

@@ -29,13 +29,17 @@ class MsgType(IntEnum):
     UNMASK_RESPONSE = 8  # client -> server: the requested shares
     CONSISTENCY_CHECK = 9  # server -> client: the survivor set (malicious mode)
     CONSISTENCY_SIGNATURE = 10  # client -> server: its signature of that set
+    # the merged flow (SessionParams.flow "merged"): one exchange fewer
+    SHARES_AND_INPUT = 11  # client -> server: SHARE_KEYS and the masked vector, in one
+    SHARES_AND_CHECK = 12  # server -> client: its shares, then CONSISTENCY_CHECK
+    SHARES_AND_UNMASK = 13  # server -> client: its shares, then UNMASK_REQUEST
 
 
-#: The client message the server awaits while a stage is open.
-REPLY_TYPE: dict[Stage, MsgType] = {
-    Stage.ADVERTISE_KEYS: MsgType.ADVERTISE_KEYS,
-    Stage.SHARE_KEYS: MsgType.SHARE_KEYS,
-    Stage.MASKED_INPUT: MsgType.MASKED_INPUT,
-    Stage.CONSISTENCY_CHECK: MsgType.CONSISTENCY_SIGNATURE,
-    Stage.UNMASKING: MsgType.UNMASK_RESPONSE,
+#: The client messages the server accepts while a stage is open.
+REPLY_TYPE: dict[Stage, tuple[MsgType, ...]] = {
+    Stage.ADVERTISE_KEYS: (MsgType.ADVERTISE_KEYS,),
+    Stage.SHARE_KEYS: (MsgType.SHARE_KEYS, MsgType.SHARES_AND_INPUT),
+    Stage.MASKED_INPUT: (MsgType.MASKED_INPUT,),
+    Stage.CONSISTENCY_CHECK: (MsgType.CONSISTENCY_SIGNATURE,),
+    Stage.UNMASKING: (MsgType.UNMASK_RESPONSE,),
 }

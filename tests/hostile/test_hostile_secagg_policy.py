@@ -97,14 +97,17 @@ def test_every_client_refuses_a_forged_setup_and_the_server_records_why(n, k, t,
 
 
 class LyingSession(SecAggServer):
-    """Unmask requests that name only one survivor, whatever survived."""
+    """Unmask requests that name only one survivor, whatever survived (in the merged flow
+    the forwarded shares still go with them)."""
 
     def advance(self) -> dict[int, bytes]:
         out = super().advance()
         if self.stage is Stage.UNMASKING:
             for c, payload in out.items():
-                h, req = m.decode_unmask_request(payload)
-                out[c] = m.encode_unmask_request(h, m.UnmaskRequest(req.survivors[:1], ()))
+                _, shares, request = m.split_shares(payload)
+                h, req = m.decode_unmask_request(request)
+                lie = m.encode_unmask_request(h, m.UnmaskRequest(req.survivors[:1], ()))
+                out[c] = m.with_shares(lie, shares)
         return out
 
 

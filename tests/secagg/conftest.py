@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from privacy.secagg import (
+    CLASSIC,
     DEFAULT_POLICY,
     SecAggClient,
     SecAggPolicy,
@@ -17,12 +18,14 @@ from privacy.secagg import (
 
 
 class Lockstep:
-    """A round driven by hand: server, clients and the server's pending outbox."""
+    """A round driven by hand: server, clients and the server's pending outbox. Its steps
+    are the classic flow's stages unless ``flow="merged"`` is given (one step fewer)."""
 
     def __init__(self, inputs: Sequence[np.ndarray], *,
                  policy: SecAggPolicy = DEFAULT_POLICY, **config_kwargs: object) -> None:
         ids = list(range(1, len(inputs) + 1))
         self.inputs = list(inputs)
+        config_kwargs.setdefault("flow", CLASSIC)
         self.config = SessionParams.create(ids, int(inputs[0].size), **config_kwargs)
         self.server = SecAggServer(self.config, policy)
         self.clients = {c: SecAggClient(c, policy=policy) for c in ids}

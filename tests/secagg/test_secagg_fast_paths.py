@@ -14,7 +14,7 @@ import pytest
 from client.secure_client import count_clipped
 from privacy.secagg import Stage, quantize_weighted, run_secagg_round
 from privacy.secagg.buffers import BufferPool
-from privacy.secagg.messages import MsgType, decode_masked_input, read_header
+from privacy.secagg.messages import MsgType, decode_shares_and_input, read_header
 from privacy.secagg.params import word_dtype
 from privacy.secagg.prg import CHUNK_BYTES, PARALLEL_WORDS, combine, expand
 from privacy.secagg.quantize import (
@@ -262,7 +262,8 @@ def test_pool_keeps_at_most_max_bytes():
 
 
 def test_replies_kept_by_a_caller_survive_later_rounds():
-    """A MASKED_INPUT reply lives in a reused buffer: rounds after it must not touch it."""
+    """A masked-input reply (SHARES_AND_INPUT in the merged flow) lives in a reused buffer:
+    rounds after it must not touch it."""
     dim = 3 * CHUNK_BYTES // 4  # large enough to be pooled
     rng = np.random.default_rng(9)
     inputs = [rng.integers(0, 1 << 32, dim, dtype=np.uint64).astype(np.uint32)
@@ -271,7 +272,7 @@ def test_replies_kept_by_a_caller_survive_later_rounds():
     copies: dict[int, bytes] = {}  # what each reply held when it was sent
 
     def keep(stage, src, dst, payload):
-        if src is not None and read_header(payload).kind is MsgType.MASKED_INPUT:
+        if src is not None and read_header(payload).kind is MsgType.SHARES_AND_INPUT:
             kept[src], copies[src] = payload, bytes(payload)
         return payload
 
@@ -284,4 +285,4 @@ def test_replies_kept_by_a_caller_survive_later_rounds():
         np.testing.assert_array_equal(again, expected)
     gc.collect()
     assert {c: bytes(p) for c, p in kept.items()} == copies
-    assert all(decode_masked_input(p)[1].vector.size == dim for p in kept.values())
+    assert all(decode_shares_and_input(p)[2].vector.size == dim for p in kept.values())

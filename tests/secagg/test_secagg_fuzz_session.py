@@ -14,6 +14,7 @@ from privacy.secagg import (
     Stage,
     Status,
 )
+from privacy.secagg.stages import MsgType
 
 N, DIM = 5, 8
 INPUTS = [np.arange(DIM, dtype=np.uint32) * (c + 1) for c in range(N)]
@@ -34,6 +35,7 @@ def test_one_corrupted_reply_is_rejected_or_harmless(stage, victim, pos, value):
     for c in clients:
         clients[c].set_input(INPUTS[c - 1])
     silent: set[int] = set()
+    vector_hit = False  # merged flow: a masked vector sent with the shares was changed
     outbox = server.start()
     while server.status is Status.RUNNING:
         current = server.stage
@@ -48,10 +50,13 @@ def test_one_corrupted_reply_is_rejected_or_harmless(stage, victim, pos, value):
             if current == stage and c == victim:
                 reply = bytearray(reply)
                 reply[pos % len(reply)] = value
+                vector_hit = pos % len(reply) >= len(reply) - 4 * DIM and \
+                    reply[3] == MsgType.SHARES_AND_INPUT
             assert isinstance(server.receive(c, bytes(reply)), bool)
         outbox = server.advance()
     assert server.status in (Status.COMPLETED, Status.ABORTED)
-    if server.status is Status.COMPLETED and stage in (Stage.SHARE_KEYS, Stage.UNMASKING):
+    if server.status is Status.COMPLETED and stage in (Stage.SHARE_KEYS, Stage.UNMASKING) \
+            and not vector_hit:
         # ciphertexts are authenticated and shares checked: the sum is right or absent
         expected = sum(INPUTS[c - 1].astype(np.uint64) for c in server.survivors)
         np.testing.assert_array_equal(server.result(), expected.astype(np.uint32))

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from privacy.secagg import (
+    CLASSIC,
     DEFAULT_POLICY,
+    MERGED,
     ProtocolError,
     SecAggClient,
     SecAggServer,
@@ -55,7 +57,8 @@ Tamper = Callable[[int, bytes], bytes | None]
 
 
 class LyingRound:
-    """One round over the real state machines, every server message open to rewriting.
+    """One round over the real state machines, every server message open to rewriting
+    (the classic flow's messages unless ``flow="merged"``).
 
     ``corrupt`` clients collude with the server: their shares and identities are its own.
     ``sent`` keeps every client reply the server received, by (message type, sender).
@@ -63,11 +66,12 @@ class LyingRound:
 
     def __init__(self, n: int, *, k: int | None = None, t: int | None = None,
                  security: str = MAL, corrupt: Iterable[int] = (), round_id: int = 0,
-                 trusted: TrustedKeys = TRUST_ALL, seed: int = 0) -> None:
+                 trusted: TrustedKeys = TRUST_ALL, seed: int = 0,
+                 flow: str = CLASSIC) -> None:
         ids = list(range(1, n + 1))
         self.inputs = random_inputs(n, DIM, BITS, seed)
         self.config = SessionParams.create(ids, DIM, k=k, t=t, round_id=round_id,
-                                           security=security)
+                                           security=security, flow=flow)
         self.server = SecAggServer(self.config)
         extra: dict[str, object] = {}
         self.clients = {}
@@ -114,12 +118,35 @@ class LyingRound:
     # --- what the server (and its corrupt clients) can do with what it received ------
 
     def rebuild(self, u: int) -> np.ndarray | None:
-        """Client u's input rebuilt from the received shares, or None when they do not
+        """Client u's input rebuilt from the received shares and its masked input (of the
+        classic stage, or else the one sent with its shares), or None when they do not
         give both of its secrets."""
+        got = self.rebuild_all(u)
+        return got[0] if got else None
+
+    def rebuild_all(self, u: int) -> list[np.ndarray]:
+        """Client u's input rebuilt from each masked input it sent (the merged flow's
+        fallback makes two: over its PUBLIC_KEYS neighbours, then over the senders of the
+        shares it received), as far as the received shares give both of its secrets."""
+        vectors = []
+        if (MsgType.MASKED_INPUT, u) in self.sent:
+            vectors.append((msg.decode_masked_input(self.sent[(MsgType.MASKED_INPUT, u)])[1]
+                            .vector, self.clients[u].held_peers))
+        if (MsgType.SHARES_AND_INPUT, u) in self.sent:
+            early = self.sent[(MsgType.SHARES_AND_INPUT, u)]
+            vectors.append((msg.decode_shares_and_input(early)[2].vector,
+                            self.server._told_keys[u]))
+        out = []
+        for vector, peers in vectors:
+            got = self._rebuild(u, vector, peers)
+            if got is not None:
+                out.append(got)
+        return out
+
+    def _rebuild(self, u: int, vector: np.ndarray, peers: Iterable[int]) -> np.ndarray | None:
         cfg = self.config
-        masked = self.sent.get((MsgType.MASKED_INPUT, u))
         advert = self.sent.get((MsgType.ADVERTISE_KEYS, u))
-        if masked is None or advert is None:
+        if advert is None:
             return None
         points: dict[ShareKind, dict[int, bytes]] = {ShareKind.SELF_MASK: {},
                                                      ShareKind.MASK_KEY: {}}
@@ -141,9 +168,8 @@ class LyingRound:
         sk = kx.private_key_from_bytes(sk_raw)
         if kx.commit(b_seed) != keys.b_commitment or kx.public_bytes(sk) != keys.s_pk:
             return None
-        vector = msg.decode_masked_input(masked)[1].vector
         masks = [(b_seed, -1)]
-        for v in sorted(self.clients[u].held_peers):
+        for v in sorted(peers):
             s_pk = msg.decode_advertise_keys(self.sent[(MsgType.ADVERTISE_KEYS, v)])[1].s_pk
             seed = kx.pair_seed(kx.agree(sk, s_pk), cfg.run_id, cfg.round_id, u, v)
             masks.append((seed, -1 if u < v else 1))
@@ -152,8 +178,8 @@ class LyingRound:
     def assert_nobody_rebuilt(self) -> None:
         for u in self.clients:
             if u not in self.corrupt:
-                got = self.rebuild(u)
-                assert got is None or not np.array_equal(got, self.inputs[u - 1]), u
+                for got in self.rebuild_all(u):
+                    assert not np.array_equal(got, self.inputs[u - 1]), u
 
 
 def signed_keys(payload: bytes) -> tuple[msg.Header, msg.PublicKeys]:
@@ -226,7 +252,7 @@ def test_semi_honest_setup_refused_by_a_client_that_requires_malicious() -> None
 
 
 def test_semi_honest_setup_bytes_are_unchanged_and_the_mode_travels() -> None:
-    config = SessionParams.create(range(1, 6), DIM)
+    config = SessionParams.create(range(1, 6), DIM, flow=CLASSIC)  # the merged flow adds a bit
     plain = msg.encode_setup(config, 1)
     assert len(plain) == msg.HEADER.size + 4 * 3 + 1 + 8 + 32 + 8 * 5
     signed = msg.encode_setup(dataclasses.replace(config, security=MAL), 1)
@@ -238,12 +264,22 @@ def test_semi_honest_setup_bytes_are_unchanged_and_the_mode_travels() -> None:
 # --- attacks -----------------------------------------------------------------------
 
 
-def dropout_lie(security: str) -> LyingRound:
+def dropout_lie(security: str, flow: str = CLASSIC) -> LyingRound:
     """(a) The server tells 2 and 3 that client 1 survived and 4 and 5 that it dropped;
-    6 and 7 are corrupt (they answer both requests, and sign any set)."""
-    r = LyingRound(7, security=security, corrupt={6, 7})
+    6 and 7 are corrupt (they answer both requests, and sign any set). In the merged flow
+    each lying message carries the recipient's forwarded shares."""
+    r = LyingRound(7, security=security, corrupt={6, 7}, flow=flow)
     r.until(Stage.CONSISTENCY_CHECK if security == MAL else Stage.UNMASKING)
     cfg, everyone = r.config, tuple(range(1, 8))
+    shares = {w: msg.split_shares(p)[1] for w, p in r.outbox.items()} if flow == MERGED \
+        else {}
+
+    def carry(w: int, payload: bytes) -> bytes:  # the shares go with the first message
+        return msg.with_shares(payload, shares.pop(w)) if w in shares else payload
+
+    for c in sorted(r.corrupt & shares.keys()):  # the corrupt ones take their own shares
+        r.deliver(c, r.outbox[c])
+        shares.pop(c)
     views = {w: everyone for w in (1, 2, 3)} | {w: everyone[1:] for w in (4, 5)}
     signatures: dict[tuple[int, ...], list[msg.SignedSet]] = {everyone: [], everyone[1:]: []}
     if security == MAL:
@@ -251,7 +287,8 @@ def dropout_lie(security: str) -> LyingRound:
                    for c in everyone}
         for w, view in views.items():  # the honest clients sign what they are shown
             h = msg.Header(MsgType.CONSISTENCY_CHECK, cfg.run_id, cfg.round_id, w)
-            reply = r.deliver(w, msg.encode_consistency_check(h, msg.ConsistencyCheck(view)))
+            reply = r.deliver(w, carry(w, msg.encode_consistency_check(
+                h, msg.ConsistencyCheck(view))))
             assert reply is not None
             signatures[view].append(signed_set(w, adverts[w],
                                                msg.decode_consistency_signature(reply)[1]))
@@ -265,7 +302,7 @@ def dropout_lie(security: str) -> LyingRound:
         req = msg.UnmaskRequest(tuple(v for v in view if v != w),
                                 tuple(sorted(set(everyone) - set(view) - {w})),
                                 tuple(signatures[view]))
-        r.deliver(w, msg.encode_unmask_request(h, req, signed=security == MAL))
+        r.deliver(w, carry(w, msg.encode_unmask_request(h, req, signed=security == MAL)))
     return r
 
 
@@ -284,6 +321,18 @@ def test_dropout_lie_is_refused_in_malicious_mode() -> None:
     r = dropout_lie(MAL)
     refused(r, (4, 5), "4 consistency signatures, 5 needed")
     assert r.rebuild(1) is None
+    r.assert_nobody_rebuilt()
+
+
+def test_dropout_lie_in_the_merged_flow() -> None:
+    """The same lie with the shares carried by the lying messages: it rebuilds client 1's
+    input (from the masked input sent with its shares) in the semi-honest mode, and is
+    refused in the malicious mode."""
+    r = dropout_lie("semi_honest", MERGED)
+    assert r.errors == {} and (MsgType.MASKED_INPUT, 1) not in r.sent
+    np.testing.assert_array_equal(r.rebuild(1), r.inputs[0])
+    r = dropout_lie(MAL, MERGED)
+    refused(r, (4, 5), "4 consistency signatures, 5 needed")
     r.assert_nobody_rebuilt()
 
 
@@ -522,3 +571,18 @@ def test_malicious_decoders_refuse_mangled_messages_with_protocol_errors() -> No
                 bad[rng.integers(len(bad))] ^= 1 << int(rng.integers(8))
             with contextlib.suppress(ProtocolError):
                 decode(bytes(bad))
+
+
+@pytest.mark.parametrize("security", ["semi_honest", MAL])
+def test_fallback_masked_inputs_rebuild_no_input(security: str) -> None:
+    """Client 6 is sent no PUBLIC_KEYS, so it sends no shares and the server falls back:
+    it holds two masked inputs of every other client (over U1, then over U2), and corrupt
+    7 and 8 add their own shares. No honest client's input is rebuilt from either."""
+    r = LyingRound(8, security=security, corrupt={7, 8}, flow=MERGED)
+    r.run(only({6}, MsgType.PUBLIC_KEYS, lambda c, p: None))
+    assert r.server.status is Status.COMPLETED and not r.server.merged
+    twice = {u for u in range(1, 9) if (MsgType.SHARES_AND_INPUT, u) in r.sent
+             and (MsgType.MASKED_INPUT, u) in r.sent}
+    assert twice == {1, 2, 3, 4, 5, 7, 8}
+    np.testing.assert_array_equal(r.server.result(), plain_sum(r.inputs, sorted(twice), BITS))
+    r.assert_nobody_rebuilt()

@@ -9,7 +9,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from privacy.secagg import ProtocolError, SecAggClient, SessionParams, Stage, Status
+from privacy.secagg import (
+    CLASSIC,
+    ProtocolError,
+    SecAggClient,
+    SessionParams,
+    Stage,
+    Status,
+)
 from privacy.secagg import malicious as mal
 from privacy.secagg import messages as msg
 from privacy.secagg.identity import Identity, TrustedKeys
@@ -35,7 +42,8 @@ class Round:
                  save: bool = False, k: int | None = None, t: int | None = None) -> None:
         ids = list(range(1, N + 1))
         self.inputs = inputs()
-        self.config = SessionParams.create(ids, DIM, k=k, t=t, security="malicious")
+        self.config = SessionParams.create(ids, DIM, k=k, t=t, security="malicious",
+                                           flow=CLASSIC)  # rewrites the classic messages
         self.server = SecAggServer(self.config)
         self.trusted = {c: (trusted or {}).get(c, TRUST_ALL) for c in ids}
         self.clients = {c: self._client(c) for c in ids}

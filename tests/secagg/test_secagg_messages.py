@@ -14,7 +14,9 @@ from privacy.secagg import ProtocolError, SecAggClient, SecAggServer, SessionPar
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
 
-CONFIG = SessionParams.create([3, 9, 12, 40], 5, bits=20, k=3, t=2, run_id=11, round_id=4)
+# the classic flow's SETUP: no optional mode byte, so every truncation is malformed
+CONFIG = SessionParams.create([3, 9, 12, 40], 5, bits=20, k=3, t=2, run_id=11, round_id=4,
+                              flow="classic")
 
 
 def _h(kind: MsgType, client: int = 9) -> Header:

@@ -41,6 +41,7 @@ def test_client_cost_vsprg_bound(k):
             clients[c].set_input(inputs[c - 1])
         outbox = server.start()
         plain_replies = []  # kept alive like the server keeps the masked ones
+        masks_at = Stage.SHARE_KEYS if config.merged else Stage.MASKED_INPUT
         while outbox:
             stage = server.stage
             for c, payload in outbox.items():
@@ -48,7 +49,7 @@ def test_client_cost_vsprg_bound(k):
                 reply = clients[c].handle(payload)
                 spent[c][stage] = time.thread_time() - start
                 server.receive(c, reply)
-                if stage is Stage.MASKED_INPUT:
+                if stage is masks_at:
                     plain_replies.append(_plain_reply(inputs[c - 1]))
             outbox = server.advance()
         plain.append(np.median([t for _, t in plain_replies]))
@@ -57,7 +58,7 @@ def test_client_cost_vsprg_bound(k):
             server.result(), np.sum(inputs, axis=0, dtype=np.uint64).astype(np.uint32)
         )
         totals.append(np.median([sum(s.values()) for s in spent.values()]))
-        masking.append(np.median([s[Stage.MASKED_INPUT] for s in spent.values()]))
+        masking.append(np.median([s[masks_at] for s in spent.values()]))
     bare = prg_bound(dim, k + 1)
     out = np.zeros(dim, dtype=np.uint32)
     seeds = [(os.urandom(32), 1) for _ in range(k + 1)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from privacy.secagg import MECHANICS_ONLY, ProtocolError, Stage, Status, run_secagg_round
+from privacy.secagg import CLASSIC, MECHANICS_ONLY, ProtocolError, Stage, Status, run_secagg_round
 from privacy.secagg import messages as m
 from privacy.secagg.messages import Header, MsgType, RevealedShare, ShareKind, read_header
 
@@ -27,7 +27,8 @@ def _tamper_share_ciphertext(sender: int):
 
 def test_tampered_ciphertext_rejects_its_sender(make_inputs, exact_sum):
     inputs = make_inputs(N, DIM, 32)
-    total, server = run_secagg_round(inputs, k=N - 1, t=3, intercept=_tamper_share_ciphertext(3))
+    total, server = run_secagg_round(inputs, k=N - 1, t=3, intercept=_tamper_share_ciphertext(3),
+                                     flow=CLASSIC)  # reported with the masked input
     assert server.status is Status.COMPLETED
     assert "failed authentication (AES-GCM tag)" in server.rejected[3]
     assert 3 not in server.survivors
@@ -61,7 +62,8 @@ def test_message_replayed_from_another_round_or_run_is_rejected(make_inputs, exa
     np.testing.assert_array_equal(total, exact_sum(inputs, [1, 2, 3, 5, 6], 32))
 
     total, server = run_secagg_round(
-        inputs, k=N - 1, t=3, run_id=9, round_id=1, intercept=replay(MsgType.MASKED_INPUT, 2)
+        inputs, k=N - 1, t=3, run_id=9, round_id=1,
+        intercept=replay(MsgType.SHARES_AND_INPUT, 2),  # the merged flow's masked input
     )
     assert "replayed or misdirected" in server.rejected[2] and "run 0" in server.rejected[2]
     assert server.status is Status.COMPLETED
@@ -119,7 +121,8 @@ def test_client_refuses_share_from_unknown_sender(make_inputs, exact_sum):
             return m.encode_forwarded_shares(h, m.ForwardedShares(((99, ct), *msg.shares[1:])))
         return payload
 
-    total, server = run_secagg_round(inputs, k=4, t=3, intercept=forge, client_errors=errors)
+    total, server = run_secagg_round(inputs, k=4, t=3, intercept=forge, client_errors=errors,
+                                     flow=CLASSIC)  # FORWARDED_SHARES: the classic flow's
     assert errors == {1: "share from client 99, not a neighbour"}
     assert server.dropouts[Stage.MASKED_INPUT] == {1}
     assert server.status is Status.COMPLETED

@@ -73,7 +73,9 @@ def test_dropouts_at_each_stage_leave_the_survivors_sum(stage):
     assert all(not ids for name, ids in out.dropouts.items() if name != stage)
     counted = set(inputs) if stage == "unmasking" else set(inputs) - set(drops)
     assert out.survivors == sorted(counted)  # unmasking dropouts sent their masked input
-    assert all("simulated dropout" in out.errors[node] for node in drops)
+    # in the merged flow a masked-input dropout sends its shares alone, then is asked nothing
+    quiet = stage == "masked_input"
+    assert all(quiet or "simulated dropout" in out.errors[node] for node in drops)
     total, weight = expected_sum(inputs, counted, 1.0, 100.0)
     bound = error_bound(len(counted), out.scale, "nearest") * 1.01
     assert abs(out.total_weight - weight) <= bound

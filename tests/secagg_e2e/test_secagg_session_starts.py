@@ -56,7 +56,7 @@ def test_a_training_start_sends_the_model_first_then_queries_in_the_rounds_group
     out = session(grid).run(list(range(1, N + 1)), ROUND, TrainStart(arrays, config, DIM))
     assert out.status == "completed", out.abort_reason
     assert kinds(grid) == [("train.secagg", "3"), ("query.secagg", "3")]
-    assert len(grid.pushed) == 4 * N  # four stages, nobody dropped
+    assert len(grid.pushed) == 3 * N  # three exchanges (the merged flow), nobody dropped
     first = grid.pushed[0].content
     assert "arrays" in first and "config" in first
     assert SecAggKey.FACTOR not in first[SecAggRecord.PROTOCOL]
@@ -81,7 +81,7 @@ def test_an_evaluation_start_sends_the_model_in_its_own_group():
     assert out.status == "completed", out.abort_reason
     assert sorted(evaluated) == list(range(1, N + 1))
     assert kinds(grid) == [("evaluate.secagg", "eval-3"), ("query.secagg", "eval-3")]
-    assert len(grid.pushed) == 4 * N
+    assert len(grid.pushed) == 3 * N  # the merged flow
     assert out.evaluation is not None and out.weighted_sum is None
 
 

@@ -158,7 +158,7 @@ def test_the_federated_accuracy_is_the_weighted_mean_and_no_client_figure_is_pul
         assert all(r.accuracy is None and r.loss is None and r.num_examples is None
                    for r in records)
         replies = ctx.grid.inner.replies
-        assert len(replies) == 4 * n  # the four stages, every client
+        assert len(replies) == 3 * n  # the merged flow's three exchanges, every client
         assert {r.metadata.message_type for r in replies} == {"evaluate.secagg",
                                                               "query.secagg"}
         assert [leak for r in replies if (leak := figures_in_the_clear(r))] == []
@@ -180,7 +180,8 @@ def vanishing(app: Callable, node: int, kind: MsgType) -> Callable:
 def test_a_client_vanishing_mid_session_is_dropped_and_the_totals_are_the_survivors(
         tmp_path):
     app = secure_app()
-    with context(vanishing(app, 2, MsgType.FORWARDED_SHARES), SECURE, tmp_path) as ctx:
+    # it vanishes at PUBLIC_KEYS (the merged flow's shares stage): the others mask again
+    with context(vanishing(app, 2, MsgType.PUBLIC_KEYS), SECURE, tmp_path) as ctx:
         trained(ctx)
         result = run_secure_evaluation(ctx, "run-b", 3, list(range(1, CLIENTS + 1)))
         figures = plain_figures(ctx, app, 3)
@@ -189,7 +190,7 @@ def test_a_client_vanishing_mid_session_is_dropped_and_the_totals_are_the_surviv
     assert result.outcome.survivors == survivors
     fates = {r.client_id: (r.fate, r.reason) for r in result.records}
     assert fates["2"][0] == "dropped"
-    assert fates["2"][1].startswith("dropped at stage masked_input: ")
+    assert fates["2"][1].startswith("dropped at stage share_keys: ")
     assert all(fates[str(n)] == ("accepted", None) for n in survivors)
     acc, loss = weighted(figures, survivors)
     total = sum(figures[n].num_examples for n in survivors)
@@ -198,7 +199,7 @@ def test_a_client_vanishing_mid_session_is_dropped_and_the_totals_are_the_surviv
     assert abs(result.metrics["federated_loss"] - loss) <= len(survivors) * STEP / total
     everyone = weighted(figures, figures)
     assert abs(result.metrics["federated_loss"] - everyone[1]) > 10 * STEP  # not all five
-    assert result.outcome.session_record()["dropouts"]["masked_input"] == [2]
+    assert result.outcome.session_record()["dropouts"]["share_keys"] == [2]
 
 
 def test_own_model_figures_and_clipped_losses_travel_as_totals(tmp_path):
@@ -272,10 +273,10 @@ def test_every_client_refuses_an_evaluation_session_below_policy_before_evaluati
 
 
 def test_clients_refuse_to_unmask_fewer_survivors_than_their_own_minimum(tmp_path):
-    """Every node wants sums of all five; one vanishes after masking: the server (minimum
-    3) asks to unmask four, every client refuses, no total is revealed."""
+    """Every node wants sums of all five; one vanishes before sharing keys: the server
+    (minimum 3) asks to unmask four, every client refuses, no total is revealed."""
     evaluated: list[int] = []
-    app = vanishing(counting_app(evaluated), 2, MsgType.FORWARDED_SHARES)
+    app = vanishing(counting_app(evaluated), 2, MsgType.PUBLIC_KEYS)
     with context(app, SECURE, tmp_path) as ctx:
         for node_context in ctx.grid.inner._contexts.values():
             node_context.node_config[MIN_SURVIVORS_KEY] = CLIENTS
