@@ -96,7 +96,7 @@ from client.protocol.npy import npy_array
 from client.protocol.updates import delta_record, read_delta
 from client.secure_client import register_secagg
 from privacy.secagg import graph, malicious
-from privacy.secagg.messages import read_header
+from privacy.secagg.messages import Header, decode_shares_and_input, encode_share_keys, read_header
 from privacy.secagg.prg import prg_bound
 from privacy.secagg.stages import MsgType
 from privacy.secagg.workers import cpu_seconds, default_threads
@@ -130,6 +130,7 @@ class Timed:
     def __init__(self, app: Callable[[Message, Context], Message],
                  vanish: Callable[[Message, Context], bool] | None = None) -> None:
         self.app, self.vanish = app, vanish
+        self.shares_only: Callable[[Message, Context], bool] | None = None  # drop the vector
         self.own_caches = False  # True: empty the memos shared by clients before each message
         self.cpu: dict[int, float] = defaultdict(float)
         self.wall = 0.0
@@ -141,7 +142,10 @@ class Timed:
             forget_memos(graphs=secagg_kind(msg) in (MsgType.SETUP, MsgType.PUBLIC_KEYS))
         cpu, wall = cpu_seconds(), time.perf_counter()
         try:
-            return self.app(msg, context)
+            reply = self.app(msg, context)
+            if self.shares_only is not None and self.shares_only(msg, context):
+                reply = shares_alone(msg, reply)
+            return reply
         finally:
             self.cpu[int(context.node_id)] += cpu_seconds() - cpu
             self.wall += time.perf_counter() - wall
@@ -158,6 +162,18 @@ def forget_memos(*, graphs: bool = True) -> None:
     if graphs:
         malicious._core.cache_clear()
         graph._placement.cache_clear()
+
+
+def shares_alone(msg: Message, reply: Message) -> Message:
+    """A SHARES_AND_INPUT reply cut down to its SHARE_KEYS: a client that vanishes after
+    sharing keys in the merged flow (its masked vector never leaves)."""
+    vector = reply.content.get("secagg-vector") if not reply.has_error() else None
+    if not isinstance(vector, ArrayRecord):
+        return reply
+    h, shares, _ = decode_shares_and_input(vector["masked"].data)
+    payload = encode_share_keys(Header(MsgType.SHARE_KEYS, h.run_id, h.round_id, h.client_id),
+                                shares)
+    return Message(RecordDict({"secagg": ConfigRecord({"msg": payload})}), reply_to=msg)
 
 
 def secagg_kind(msg: Message) -> MsgType | None:
@@ -481,6 +497,7 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
                 f"ratios {' '.join(f'{r:.2f}' for r in ratios)})")
 
     # 10% of the clients vanish after sharing keys: the server removes their pair masks
+    # (in the merged flow they answer PUBLIC_KEYS with their shares alone)
     for name in [f"fedring_{v}" for v in ("auto", "full") if v in variants and dropouts
                  and "" in modes]:
         neighbors = GRAPHS[name.removeprefix("fedring_")]  # (k = 3, t = 2: not for 10% dropouts)
@@ -493,13 +510,16 @@ def measure(n: int, d: int, *, reps: int, flower: bool, limit: float,
                 return False
             return read_header(msg.content["secagg"]["msg"]).kind is MsgType.FORWARDED_SHARES
 
+        def shares_only(msg: Message, context: Context, dropped: set[int] = dropped) -> bool:
+            return int(context.node_id) in dropped and secagg_kind(msg) is MsgType.PUBLIC_KEYS
+
         settings = SecAggScenarioConfig(enabled=True, neighbors=neighbors, clip_range=CLIP)
         runs = []
         for _ in range(min(reps, 2)):
-            app.vanish = vanish
+            app.vanish, app.shares_only = vanish, shares_only
             rnd += 1
             _, out = fedring_round(grid, nodes, d, settings, rnd)
-            app.vanish = None
+            app.vanish = app.shares_only = None
             pair = out.masks_removed - len(out.survivors)
             runs.append((out, prg_bound(d, pair, reps=1), prg_bound(d, out.masks_removed, reps=1)))
         out = runs[0][0]
