@@ -55,13 +55,20 @@ class Pipeline:
     ``pre_combine``: a function that may rewrite a round's decoded updates before they
     enter the per-update stages (simulated omniscient attackers); the round source calls it
     once per aggregation with all the updates (None: updates go in one by one).
+
+    ``center_decay`` d in (0, 1): the kept centre is the running average
+    ``c <- d c + (1 - d) aggregate`` from 0 instead of the last aggregate; with d the
+    server's heavy-ball momentum it is ``(1 - d)`` times the momentum buffer.
     """
 
     def __init__(self, *stages: UpdateStage | Combine | PostStage | ServerOptimizer,
                  client_radius: float | None = None,
-                 pre_combine: PreCombine | None = None) -> None:
+                 pre_combine: PreCombine | None = None, center_decay: float = 0.0) -> None:
         if client_radius is not None and not client_radius > 0:
             raise ValueError(f"client_radius must be > 0, got {client_radius}")
+        if not 0 <= center_decay < 1:
+            raise ValueError(f"center_decay must be in [0, 1), got {center_decay}")
+        self.center_decay = float(center_decay)
         self.client_radius = client_radius
         self.pre_combine = pre_combine
         self.center: np.ndarray | None = None  # the last applied aggregate, when kept
@@ -120,7 +127,11 @@ class Pipeline:
             return params
         for stage in self.post_stages:
             aggregate = stage.apply(aggregate, total_weight, count)
-        if self.keeps_center:
+        if self.keeps_center and self.center_decay:
+            old = 0.0 if self.center is None else self.center.astype(np.float64)
+            self.center = (self.center_decay * old + (1 - self.center_decay)
+                           * np.asarray(aggregate, np.float64)).astype(np.float32)
+        elif self.keeps_center:
             self.center = np.array(aggregate, dtype=np.float32)  # a copy
         return self.server_opt.step(params, aggregate)
 

@@ -142,6 +142,14 @@ def make_robust_combine(kind: str, **params: Any) -> Combine:
     return spec.build(**params)
 
 
+def _arc_sees_updates(scenario: Any) -> None:
+    """Adaptive robust clipping ranks individual updates, which secagg hides."""
+    if scenario.aggregation.arc and scenario.secagg.enabled:
+        raise ValueError("aggregation.arc clips the largest individual updates, which the "
+                         "server never sees under secagg (it learns only the sum): set "
+                         "aggregation.arc = false")
+
+
 for _spec in (
     CombineSpec("median", CoordinateMedian),
     CombineSpec("trimmed_mean", TrimmedMean, ("beta",),
@@ -156,7 +164,8 @@ for _spec in (
                 params=lambda a: {"radius": a.clip_radius, "iterations": a.clip_iterations,
                                   "f": a.f, "scale": a.clip_scale,
                                   "late_iterations": a.clip_iterations_late or None,
-                                  "late_after": a.clip_late_after}),
+                                  "late_after": a.clip_late_after},
+                 rules=(_arc_sees_updates,)),
     CombineSpec("geometric_median", GeometricMedian, (), ("nu", "iterations", "f"),
                 params=lambda a: {"nu": a.gm_nu, "iterations": a.gm_iterations, "f": a.f}),
 ):

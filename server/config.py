@@ -17,6 +17,7 @@ from aggregation import (
     make_combine,
     make_server_optimizer,
 )
+from aggregation.arc import ARC
 from aggregation.bucketing import Bucketing
 from aggregation.combine import Combine
 from aggregation.nnm import NNM
@@ -188,11 +189,13 @@ class AggregationConfig:
     ``bucketing`` (0 or 1: off) averages random buckets of that many updates before a
     robust combine; -1 picks ``n / (2 f)`` in each aggregation of ``n`` updates, the
     bound a given size must also keep. ``nnm`` mixes each update with its ``n - f``
-    nearest (before bucketing). ``centered_clip`` clips to ``clip_radius`` around the
-    previous aggregate (0: ``clip_scale`` times the median distance) in each of
-    ``clip_iterations``, or of ``clip_iterations_late`` (0: off) once ``clip_late_after``
-    aggregates are applied; under secure aggregation the clients do it (``client_side``).
-    ``geometric_median`` runs
+    nearest (before bucketing); ``arc`` first clips the
+    ``2 f (n - f) / n`` largest updates to the norm of the next largest. ``centered_clip``
+    clips to ``clip_radius`` (0: ``clip_scale`` times the median distance) around the
+    previous aggregate (``clip_center = "momentum"``: around ``1 - momentum`` times the
+    server's momentum buffer) in each of ``clip_iterations``, or of
+    ``clip_iterations_late`` (0: off) once ``clip_late_after`` aggregates are applied;
+    under secure aggregation the clients do it (``client_side``). ``geometric_median`` runs
     ``gm_iterations`` smoothed Weiszfeld steps with ``gm_nu``. ``client_momentum`` beta > 0:
     each client sends its momentum ``m <- beta m + (1 - beta) delta`` (its first delta
     as is) instead of its delta (worker momentum, Karimireddy, He, Jaggi, ICML 2021).
@@ -219,6 +222,8 @@ class AggregationConfig:
     clip_iterations_late: int = 0
     clip_late_after: int = 0
     nnm: bool = False
+    arc: bool = False
+    clip_center: str = "aggregate"
     gm_nu: float = 1e-6
     gm_iterations: int = 8
     client_momentum: float = 0.0
@@ -247,7 +252,22 @@ class AggregationConfig:
                              "aggregation.f = 0 would mix all n: every update would become "
                              "the mean, and the robust combine the mean; set aggregation.f to "
                              "the number of attackers to defend against (>= 1)")
-        cc_keys = {"clip_scale": 1.0, "clip_iterations_late": 0, "clip_late_after": 0}
+        if self.arc and self.combine in LINEAR_COMBINES:
+            raise ValueError(f"aggregation.arc clips the largest updates before a robust "
+                             f"combine; with aggregation.combine = '{self.combine}' set "
+                             "aggregation.arc = false or choose a robust combine")
+        if self.arc and self.f < 1:
+            raise ValueError("aggregation.arc clips the 2 f (n - f) / n largest updates, none "
+                             "with aggregation.f = 0: set aggregation.f to the number of "
+                             "attackers to defend against (>= 1)")
+        check_choice("aggregation.clip_center", self.clip_center, ("aggregate", "momentum"))
+        if self.clip_center == "momentum" and self.server_opt != "fedavgm":
+            raise ValueError(f"aggregation.clip_center = 'momentum' centres clipping on the "
+                             f"server's momentum buffer, which aggregation.server_opt = "
+                             f"'{self.server_opt}' does not keep: set aggregation.server_opt = "
+                             "'fedavgm' or aggregation.clip_center = 'aggregate'")
+        cc_keys = {"clip_scale": 1.0, "clip_iterations_late": 0, "clip_late_after": 0,
+                   "clip_center": "aggregate"}
         for key, default in cc_keys.items():
             if getattr(self, key) != default and self.combine != "centered_clip":
                 raise ValueError(f"aggregation.{key} is read by centered clipping only; with "
@@ -287,7 +307,9 @@ class AggregationConfig:
         if self.bucketing not in (0, 1):
             combine = Bucketing(combine, None if self.bucketing == -1 else self.bucketing,
                                 seed, f=self.f)
-        return NNM(combine, self.f) if self.nnm else combine
+        if self.nnm:
+            combine = NNM(combine, self.f)
+        return ARC(combine, self.f) if self.arc else combine
 
     def client_side(self, secure: bool) -> bool:
         """Whether the clients clip around the centre themselves (centered clipping under
@@ -325,6 +347,7 @@ class AggregationConfig:
             make_server_optimizer(self.server_opt, **self._optimizer_params()),
             client_radius=self.clip_radius if client_side else None,
             pre_combine=pre_combine,
+            center_decay=self.momentum if self.clip_center == "momentum" else 0.0,
         )
 
 

@@ -29,9 +29,14 @@ EVERY_DEFENCE = ["attack.fraction=0.17", "attack.kind=sign_flip", "aggregation.f
                  "aggregation.nnm=true", "aggregation.bucketing=-1",
                  "aggregation.clip_scale=1.5", "aggregation.clip_iterations_late=1",
                  "aggregation.clip_late_after=2"]
+ARC_MOMENTUM_CENTRE = ["attack.fraction=0.17", "attack.kind=gaussian_noise", "aggregation.f=1",
+                       "aggregation.nnm=true", "aggregation.arc=true",
+                       "aggregation.server_opt=fedavgm", "aggregation.momentum=0.7",
+                       "aggregation.clip_center=momentum"]
 
 
-@pytest.mark.parametrize("overrides", [BUCKETS, EVERY_DEFENCE], ids=["buckets", "every_key"])
+@pytest.mark.parametrize("overrides", [BUCKETS, EVERY_DEFENCE, ARC_MOMENTUM_CENTRE],
+                         ids=["buckets", "every_key", "arc_momentum_centre"])
 def test_resume_restores_the_centre(tmp_path, overrides):
     cfg = load_scenario("default", [*BASE, *overrides])
     db = f"sqlite:///{tmp_path / 'store.db'}"
