@@ -35,7 +35,7 @@ from client.dp_sgd import DPSGDBudgetExceeded, dp_sgd_round
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
 from client.protocol.evaluation import ClientEvaluation, evaluation_metrics
-from client.protocol.flower_compat import ClientAppCallable
+from client.protocol.flower_compat import ClientAppCallable, record_entries
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
 from client.protocol.records import metric_record, record_dict
@@ -114,10 +114,11 @@ class _Worker:
         are built from change: every client of a round gets the same, and the centre of
         client-side clipping is then read once a round, not once a client. Built afresh
         each time under local DP, whose noise generator is this process's own."""
-        momentum = config.get(ConfigKey.CLIENT_MOMENTUM)
-        radius = config.get(ConfigKey.CLIP_RADIUS)
+        settings = _settings(config)
+        momentum = settings.get(ConfigKey.CLIENT_MOMENTUM)
+        radius = settings.get(ConfigKey.CLIP_RADIUS)
         key = (fedbn, type(momentum), momentum, type(radius), radius,
-               config.get(ConfigKey.CENTER))  # (the centre's bytes: compared by identity)
+               settings.get(ConfigKey.CENTER))  # (the centre's bytes: compared by identity)
         if self.steps is not None and self.task.local_dp is None and _same(key, self.steps_key):
             return self.steps
         self.steps = None  # (a malformed setting raises below: nothing is kept)
@@ -177,8 +178,10 @@ class LocalUpdate:
 def record_of(content: RecordDict, kind: type, preferred: str) -> Any:
     """The record named ``preferred`` if it is a ``kind``, else the first ``kind`` in
     ``content``; WireError when there is none."""
-    if preferred in content and isinstance(content[preferred], kind):
-        return content[preferred]
+    entries = record_entries(content)
+    found = (content if entries is None else entries).get(preferred)
+    if isinstance(found, kind):
+        return found
     for value in content.values():
         if isinstance(value, kind):
             return value
@@ -204,7 +207,7 @@ class FedringClient:
         self._task_factory = task_factory
         self._resolve_spec = resolve_spec
 
-    def _worker(self, config: ConfigRecord, context: Context) -> _Worker:
+    def _worker(self, config: Mapping[str, Any], context: Context) -> _Worker:
         raw = config.get(ConfigKey.TASK)
         if raw is not None and not isinstance(raw, str):
             raise WireError(f"config '{ConfigKey.TASK}' must be a JSON string, got "
@@ -259,23 +262,25 @@ class FedringClient:
     def local_update(self, msg: Message, context: Context) -> LocalUpdate:
         """Load the sent model, train on this node's partition; the delta and its metrics."""
         config = record_of(msg.content, ConfigRecord, RecordName.CONFIG)
-        worker = self._worker(config, context)
+        settings = _settings(config)  # its entries, each read one dict lookup
+        worker = self._worker(settings, context)
         pid = self._partition_id(context)
         record = record_of(msg.content, ArrayRecord, RecordName.ARRAYS)
         model = worker.model
         base, base_flat = worker.global_model(record)
-        fedbn = _flag(config, ConfigKey.LOCAL_BUFFERS)
+        fedbn = _flag(settings, ConfigKey.LOCAL_BUFFERS)
         in_process = context.node_config.get(NodeConfigKey.IN_PROCESS)
         pretrained = worker.pretrained.pop(msg.metadata.message_id, None) if in_process \
             else None
         in_place = (in_process and pretrained is None and model.on_host
-                    and model.dim >= IN_PLACE_MIN_DIM and ConfigKey.REPLY in config)
+                    and model.dim >= IN_PLACE_MIN_DIM and ConfigKey.REPLY in settings)
         worker.writable_model(into_reply=in_place)
         if pretrained is None or fedbn or model.exact:  # (trained with its cohort: the
             np.copyto(model.flat_np, base_flat)       # model itself is not used)
         local_state.restore(context.state, model, fedbn)  # this node's own buffers
         model.to_device()  # the one copy to the device (none on the CPU)
-        seed = training_seed(worker.task.seed, _int_setting(config, ConfigKey.SERVER_ROUND), pid)
+        seed = training_seed(worker.task.seed, _int_setting(settings, ConfigKey.SERVER_ROUND),
+                             pid)
         trained, values = self._local_training(worker, pid, seed, config, context, pretrained)
         model.to_host()  # the one copy back to the host (none on the CPU)
         local_state.keep(context.state, model, fedbn)
@@ -327,13 +332,15 @@ class FedringClient:
         update = self.local_update(msg, context)
         config, metrics, delta, model = update.config, update.metrics, update.delta, update.model
         pid = update.partition_id
-        if config.get(ConfigKey.REPLY, REPLY_DELTA) != REPLY_DELTA:
+        settings = _settings(config)
+        if settings.get(ConfigKey.REPLY, REPLY_DELTA) != REPLY_DELTA:
             raise WireError(f"config '{ConfigKey.REPLY}' must be 'delta' when given, got "
-                            f"{config[ConfigKey.REPLY]!r}")
-        if ConfigKey.REPLY in config:
-            version = _int_setting(config, ConfigKey.VERSION)
-            metrics = metric_record({**metrics, MetricKey.BASE_VERSION: version,
-                                     MetricKey.PARTITION: pid})
+                            f"{settings[ConfigKey.REPLY]!r}")
+        if ConfigKey.REPLY in settings:
+            version = _int_setting(settings, ConfigKey.VERSION)
+            values = record_entries(metrics)
+            metrics = metric_record({**(metrics if values is None else values),
+                                     MetricKey.BASE_VERSION: version, MetricKey.PARTITION: pid})
             name, record = reply_record(config, delta, context.state, pid)  # compressed?
             content = record_dict({name: record, RecordName.METRICS: metrics})
         else:  # Flower's convention: full weights (base + the possibly noised delta)
@@ -443,14 +450,23 @@ def _same(key: tuple[Any, ...], other: tuple[Any, ...]) -> bool:
     return len(key) == len(other) and key[-1] is other[-1] and key[:-1] == other[:-1]
 
 
-def _flag(config: ConfigRecord, key: str) -> bool:
+def _settings(config: ConfigRecord) -> Mapping[str, Any]:
+    """A config record's entries as the plain dict Flower keeps them in (read here, never
+    written), or the record itself where Flower keeps them otherwise: the same values,
+    each read one dict lookup instead of Flower's Mapping layers (several Python calls,
+    slow right after a training has evicted them from the caches)."""
+    entries = record_entries(config)
+    return config if entries is None else entries
+
+
+def _flag(config: Mapping[str, Any], key: str) -> bool:
     value = config.get(key, False)
     if not isinstance(value, bool):
         raise WireError(f"config '{key}' must be a boolean, got {value!r}")
     return value
 
 
-def _int_setting(config: ConfigRecord, key: str) -> int:
+def _int_setting(config: Mapping[str, Any], key: str) -> int:
     value = config.get(key, 0)
     if isinstance(value, bool) or not isinstance(value, int):
         raise WireError(f"config '{key}' must be an integer, got {value!r}")

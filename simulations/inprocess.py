@@ -97,6 +97,7 @@ class InProcessGrid(Grid):
         if mask_threads is None:
             mask_threads = 1 if self.concurrent else default_threads()
         self._threads = threads
+        self._sized: tuple[Any, int | None] = (None, None)  # (model record, its threads)
         node_config = {"num-partitions": num_nodes, NodeConfigKey.IN_PROCESS: True,
                        NodeConfigKey.MASK_THREADS: mask_threads}
         run_config = dict(run_config or {})
@@ -164,7 +165,7 @@ class InProcessGrid(Grid):
     def _deliver(self, msg_id: str, msg: Message) -> Message:
         context = self._contexts[msg.metadata.dst_node_id]
         try:
-            with intra_op_threads(client_threads(msg.content, self._threads)):
+            with intra_op_threads(self._client_threads(msg.content)):
                 reply = self._client_app(msg, context)
         except TaskCodeError as exc:  # the user's code: one line, its traceback in the log
             logging.getLogger("fedring").error("client %s: %s", context.node_id, exc,
@@ -176,6 +177,17 @@ class InProcessGrid(Grid):
                             reply_to=msg)
         set_message_id(reply, f"r{msg_id}")
         return reply
+
+    def _client_threads(self, content: RecordDict) -> int | None:
+        """``client_threads`` of a message's content, found once for the model record
+        that every message of a round shares (the record kept: its id is not reused)."""
+        entries = record_entries(content)
+        arrays = (content if entries is None else entries).get("arrays")
+        if arrays is not None and arrays is self._sized[0]:
+            return self._sized[1]
+        threads = client_threads(content, self._threads)
+        self._sized = (arrays, threads)
+        return threads
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
