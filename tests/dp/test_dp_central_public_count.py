@@ -121,8 +121,8 @@ def test_plain_round_with_a_crashed_client_divides_by_the_public_count(run_inpro
     assert_divided_by_the_public_count(released_change(run_inprocess, store, cfg, app)[0], u)
 
 
-@pytest.mark.parametrize("stage", [MsgType.SETUP, MsgType.FORWARDED_SHARES],
-                         ids=["training", "masked_input"])
+@pytest.mark.parametrize("stage", [MsgType.SETUP, MsgType.PUBLIC_KEYS],  # merged flow
+                         ids=["training", "share_keys"])
 def test_secure_round_with_a_crashed_client_divides_by_the_public_count(run_inprocess, store,
                                                                         stage):
     cfg = load_scenario("default", [*CENTRAL, "secagg.enabled=true"])

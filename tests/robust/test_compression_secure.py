@@ -26,8 +26,8 @@ from client.secure_client import register_secagg, shared_request
 from privacy.secagg import ProtocolError, run_secagg_round
 from privacy.secagg.messages import (
     MsgType,
-    decode_masked_input,
     decode_setup,
+    decode_shares_and_input,
     read_header,
     wire_dtype,
 )
@@ -88,8 +88,8 @@ def test_masked_words_are_the_narrowest_that_hold_bits(bits, dtype):
     seen: dict[int, np.ndarray] = {}
 
     def spy(stage, src, dst, payload):
-        if src is not None and read_header(payload).kind is MsgType.MASKED_INPUT:
-            seen[src] = decode_masked_input(payload)[1].vector.copy()
+        if src is not None and read_header(payload).kind is MsgType.SHARES_AND_INPUT:
+            seen[src] = decode_shares_and_input(payload)[2].vector.copy()  # the merged flow
         return payload
 
     total, _ = run_secagg_round(inputs, k=3, t=2, bits=bits, intercept=spy)

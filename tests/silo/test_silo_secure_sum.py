@@ -13,7 +13,7 @@ from flwr.app import ConfigRecord, Message, Metadata, MetricRecord, RecordDict
 
 from client.protocol.ring import RingKey, RingRecord
 from client.protocol.updates import delta_record
-from privacy.secagg import SecAggClient, SecAggServer, SessionParams, Stage, Status
+from privacy.secagg import CLASSIC, SecAggClient, SecAggServer, SessionParams, Stage, Status
 from privacy.secagg.messages import decode_masked_input
 from server.cross_silo import decode_reply
 
@@ -24,7 +24,7 @@ def _session(bits: int, k: int) -> tuple[SecAggServer, dict[int, SecAggClient],
                                           dict[int, np.ndarray]]:
     rng = np.random.default_rng(5)
     server = SecAggServer(SessionParams.create(IDS, 1000, bits=bits, k=k, run_id=3,
-                                              round_id=7))
+                                              round_id=7, flow=CLASSIC))  # as over a ring
     clients = {c: SecAggClient(c, run_id=3, round_id=7) for c in IDS}
     inputs = {c: rng.integers(0, 1 << bits, 1000, dtype=np.uint64).astype(
         server.config.word_dtype) for c in IDS}
