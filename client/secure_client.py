@@ -131,7 +131,7 @@ from privacy.secagg.quantize import (
     StatWords,
     contribution_clip,
     max_level,
-    quantize_weighted_into,
+    quantize_counting_into,
 )
 from privacy.secagg.stages import MsgType
 
@@ -169,16 +169,17 @@ class _Held:
 def quantize_into(delta: np.ndarray, weight: float, *, clip_range: float, scale: float,
                   max_weight: float, rounding: str, out: np.ndarray,
                   rng: np.random.Generator | None = None, factor: float = 1.0,
-                  threads: int = 1) -> np.ndarray:
-    """The encoding of ``privacy.secagg.quantize_weighted``, chunk by chunk, into ``out``:
-    :func:`privacy.secagg.quantize.quantize_weighted_into`.
+                  threads: int = 1) -> int:
+    """The encoding of ``privacy.secagg.quantize_weighted``, chunk by chunk, into ``out``
+    (:func:`privacy.secagg.quantize.quantize_counting_into`); returns how many coordinates
+    of ``delta`` lie outside [-clip_range, clip_range], counted in the same pass.
 
     ``out`` gets d+1 words: round(scale * (weight * clip(x) + max_weight * clip_range))
     per coordinate, then round(scale * weight). ``factor`` in (0, 1] scales the clipped
     coordinates only (secure FedBuff's s(tau)): the sum then decodes to
     sum(weight * factor * clip(x)) and sum(weight). ``threads``: as for the masks.
     """
-    return quantize_weighted_into(delta, weight, clip_range=clip_range, scale=scale,
+    return quantize_counting_into(delta, weight, clip_range=clip_range, scale=scale,
                                   max_weight=max_weight, rounding=rounding,  # type: ignore[arg-type]
                                   rng=rng, factor=factor, out=out, threads=threads)
 
@@ -285,21 +286,6 @@ def stat_bounds(record: ConfigRecord) -> tuple[float, float] | None:
         raise ProtocolError(f"secagg settings '{SecAggKey.MAX_EXAMPLES}' and "
                             f"'{SecAggKey.LOSS_RANGE}' must both be numbers > 0, got {values}")
     return float(values[0]), float(values[1])  # type: ignore[arg-type]
-
-
-def count_clipped(delta: np.ndarray, clip_range: float) -> int:
-    """How many coordinates of ``delta`` lie outside [-clip_range, clip_range] (compared in
-    float64, as the encoding clips).
-
-    A float32 ``delta`` is compared in float32 against the largest float32 c <= clip_range,
-    without a float64 copy: for a float32 x, x > clip_range exactly when x > c (if
-    clip_range is not a float32, the next float32 above c is above it too)."""
-    if delta.dtype != np.float32:
-        return int(np.count_nonzero(np.abs(delta) > np.float64(clip_range)))
-    c = np.float32(clip_range)
-    if float(c) > clip_range:  # rounded up: step down to the float32 below
-        c = np.nextafter(c, np.float32(-np.inf))
-    return int(np.count_nonzero(delta > c)) + int(np.count_nonzero(delta < -c))
 
 
 def _loss(metrics: MetricRecord) -> float | None:
@@ -561,13 +547,12 @@ class SecureClient:
                 rng = (np.random.default_rng() if dp_clip is not None
                        else np.random.default_rng(_seed(seed, rnd, pid)))
             d = delta.size
-            quantize_into(delta, weight, clip_range=s[SecAggKey.CLIP], scale=s[SecAggKey.SCALE],
-                          max_weight=s[SecAggKey.MAX_WEIGHT], rounding=s[SecAggKey.ROUNDING],
-                          out=quantized[:d + 1], rng=rng, factor=factor,
-                          threads=mask_threads(context))
+            clipped = quantize_into(delta, weight, clip_range=s[SecAggKey.CLIP],
+                                    scale=s[SecAggKey.SCALE], max_weight=s[SecAggKey.MAX_WEIGHT],
+                                    rounding=s[SecAggKey.ROUNDING], out=quantized[:d + 1],
+                                    rng=rng, factor=factor, threads=mask_threads(context))
             if stats is not None:  # the totals the server needs, inside the sum
-                quantized[d + 1:] = stats.encode(count_clipped(delta, s[SecAggKey.CLIP]),
-                                                 examples, _loss(update.metrics))
+                quantized[d + 1:] = stats.encode(clipped, examples, _loss(update.metrics))
         context.state[INPUT] = _input_record(quantized, context)
         self._save(context, session, s, seed, pid, drop)
         return Message(_protocol_content(reply), reply_to=msg)
