@@ -315,6 +315,13 @@ def _payload(msg: Message) -> bytes:
     return value
 
 
+#: Outside the in-process engine a masked vector up to this size travels as the protocol
+#: record's bytes: three Flower objects to push and pull (message, record dict, record)
+#: instead of five (an Array and its one chunk besides). A larger one goes as an Array,
+#: which Flower cuts into chunks of 5 MB.
+ONE_OBJECT_BYTES = 4 << 20
+
+
 def _protocol_content(message: bytes | memoryview) -> RecordDict:
     """A reply carrying one protocol message."""
     return RecordDict({SecAggRecord.PROTOCOL: ConfigRecord({SecAggKey.MSG: bytes(message)})})
@@ -586,7 +593,9 @@ class SecureClient:
         reply = session.handle(payload)
         if kind is not MsgType.PUBLIC_KEYS:  # masked for good, or the fallback's chance gone
             context.state.pop(INPUT, None)
-        if isinstance(reply, memoryview):  # a masked vector: MASKED_INPUT, SHARES_AND_INPUT
+        if isinstance(reply, memoryview) and (  # a masked vector: MASKED_INPUT, SHARES_AND_INPUT
+                context.node_config.get(NodeConfigKey.IN_PROCESS)
+                or len(reply) > ONE_OBJECT_BYTES):
             vector = _record(SecAggKey.VECTOR, reply, context, dtype="uint8", shape=(len(reply),),
                              stype="bytes")
             content = RecordDict({SecAggRecord.VECTOR: vector})
