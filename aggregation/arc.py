@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from aggregation.robust import RobustCombine, integer_param
+from aggregation.robust import PreStep, RobustCombine, integer_param
 
 __all__ = ["ARC", "arc_clip", "arc_count"]
 
@@ -53,35 +53,16 @@ def arc_clip(x: np.ndarray, f: int) -> tuple[np.ndarray, int, float]:
     return out, k, radius
 
 
-class ARC(RobustCombine):
+class ARC(PreStep):
     """``inner`` (a robust combine, possibly after mixing or bucketing) applied to the
     updates after adaptive robust clipping with ``f`` Byzantine (:func:`arc_clip`)."""
 
     def __init__(self, inner: RobustCombine, f: int) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.f = integer_param("f", f, minimum=1)
-        self.needs_center = inner.needs_center
 
     def describe(self) -> str:
         return f"{self.inner.describe()} after adaptive robust clipping"
-
-    def min_updates(self) -> int:
-        return self.inner.min_updates()
-
-    def _requirement(self) -> str:
-        return self.inner._requirement()
-
-    def _advice(self) -> str:
-        return self.inner._advice()
-
-    def begin(self, *, version: int, center: np.ndarray | None) -> None:
-        self.inner = self.inner.__copy__()  # this aggregation's own inner state
-        self.inner.begin(version=version, center=center)
-
-    def check(self, n_clients: int) -> None:
-        super().check(n_clients)
-        self.inner.check(n_clients)
 
     def _combine(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         clipped, _, _ = arc_clip(x, self.f)

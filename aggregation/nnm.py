@@ -29,6 +29,7 @@ import numpy as np
 
 from aggregation.robust import (
     GRAM_BLOCK,
+    PreStep,
     RobustCombine,
     integer_param,
     pairwise_sq_distances,
@@ -64,15 +65,13 @@ def nnm_mix(x: np.ndarray, w: np.ndarray, f: int) -> tuple[np.ndarray, np.ndarra
     return out, mix @ np.asarray(w, dtype=np.float64)
 
 
-class NNM(RobustCombine):
+class NNM(PreStep):
     """``inner`` (a robust combine, or bucketing over one) applied to the updates mixed
     with their ``n - f`` nearest neighbours (:func:`nnm_mix`)."""
 
     def __init__(self, inner: RobustCombine, f: int) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.f = integer_param("f", f, minimum=1)
-        self.needs_center = inner.needs_center
 
     def describe(self) -> str:
         return f"{self.inner.describe()} after nearest-neighbour mixing"
@@ -84,17 +83,6 @@ class NNM(RobustCombine):
         if self.inner.min_updates() > self.f:
             return self.inner._requirement()
         return f"more than f = {self.f}"
-
-    def _advice(self) -> str:
-        return self.inner._advice()
-
-    def begin(self, *, version: int, center: np.ndarray | None) -> None:
-        self.inner = self.inner.__copy__()  # this aggregation's own inner state
-        self.inner.begin(version=version, center=center)
-
-    def check(self, n_clients: int) -> None:
-        super().check(n_clients)
-        self.inner.check(n_clients)
 
     def _combine(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         mixed, weights = nnm_mix(x, w, self.f)

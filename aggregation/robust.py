@@ -27,7 +27,7 @@ from aggregation.combine import Combine
 from aggregation.stages import Clip
 
 __all__ = [
-    "Bulyan", "CoordinateMedian", "Krum", "MultiKrum", "NormBound", "RobustCombine",
+    "Bulyan", "CoordinateMedian", "Krum", "MultiKrum", "NormBound", "PreStep", "RobustCombine",
     "TrimmedMean", "integer_param", "krum_scores", "pairwise_sq_distances",
 ]
 
@@ -172,6 +172,34 @@ def _sorted_median(s: np.ndarray) -> np.ndarray:
         return s[n // 2].copy()
     # 0.5a + 0.5b == (a + b) / 2 exactly in binary floating point, without overflow.
     return np.float32(0.5) * s[n // 2 - 1] + np.float32(0.5) * s[n // 2]
+
+
+
+class PreStep(RobustCombine):
+    """A step on the updates before ``inner`` (clipping, mixing), which combines what the
+    step makes of them: needs, advice and checks are ``inner``'s unless a step adds its own."""
+
+    def __init__(self, inner: RobustCombine) -> None:
+        super().__init__()
+        self.inner = inner
+        self.needs_center = inner.needs_center
+
+    def min_updates(self) -> int:
+        return self.inner.min_updates()
+
+    def _requirement(self) -> str:
+        return self.inner._requirement()
+
+    def _advice(self) -> str:
+        return self.inner._advice()
+
+    def begin(self, *, version: int, center: np.ndarray | None) -> None:
+        self.inner = self.inner.__copy__()  # this aggregation's own inner state
+        self.inner.begin(version=version, center=center)
+
+    def check(self, n_clients: int) -> None:
+        super().check(n_clients)
+        self.inner.check(n_clients)
 
 
 class CoordinateMedian(RobustCombine):
