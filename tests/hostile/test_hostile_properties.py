@@ -30,7 +30,14 @@ from client.protocol.npy import NPY_STYPE, npy_array, npy_view
 from client.protocol.updates import delta_record, model_record
 from privacy.secagg import ProtocolError, SessionParams
 from privacy.secagg import messages as m
-from privacy.secagg.messages import Header, MsgType, PeerKeys, RevealedShare, ShareKind
+from privacy.secagg.messages import (
+    Header,
+    MsgType,
+    PeerKeys,
+    RevealedShare,
+    ShareKind,
+    read_header,
+)
 from server.replies import _decode, _plain_delta_reply, decode_train_reply
 from server.rounds import update_record
 from server.store import Store
@@ -344,7 +351,17 @@ SAMPLES: dict[MsgType, bytes] = {
                                                       m.UnmaskResponse((
         RevealedShare(3, ShareKind.SELF_MASK, b"\1" * 32 + b"\0"),
         RevealedShare(40, ShareKind.MASK_KEY, b"\2" * 32 + b"\0")))),
+    MsgType.CONSISTENCY_CHECK: m.encode_consistency_check(_h(MsgType.CONSISTENCY_CHECK),
+                                                          m.ConsistencyCheck((3, 12, 40))),
 }
+# the merged flow: the masked input with the shares, the shares with the next message
+SAMPLES[MsgType.SHARES_AND_INPUT] = m.shares_and_input_head(
+    _h(MsgType.SHARES_AND_INPUT), m.ShareKeys(((3, _ct()), (12, _ct()), (40, _ct()))), 5,
+    np.dtype("<u4")) + np.arange(5, dtype="<u4").tobytes()
+SAMPLES[MsgType.SHARES_AND_CHECK] = m.with_shares(
+    SAMPLES[MsgType.CONSISTENCY_CHECK], m.ForwardedShares(((40, _ct()), (3, _ct()))))
+SAMPLES[MsgType.SHARES_AND_UNMASK] = m.with_shares(
+    SAMPLES[MsgType.UNMASK_REQUEST], m.ForwardedShares(((12, _ct()),)))
 KINDS = sorted(SAMPLES)
 
 
@@ -358,8 +375,25 @@ def _reencode(header: Header, body: object) -> bytes:
                MsgType.FORWARDED_SHARES: m.encode_forwarded_shares,
                MsgType.MASKED_INPUT: m.encode_masked_input,
                MsgType.UNMASK_REQUEST: m.encode_unmask_request,
-               MsgType.UNMASK_RESPONSE: m.encode_unmask_response}[header.kind]
+               MsgType.UNMASK_RESPONSE: m.encode_unmask_response,
+               MsgType.CONSISTENCY_CHECK: m.encode_consistency_check}[header.kind]
     return bytes(encoder(header, body))
+
+
+def _decoded_canonically(kind: MsgType, data: bytes | bytearray | memoryview) -> bytes:
+    """Decode ``data`` as ``kind`` (ProtocolError if refused); the canonical bytes of what
+    was decoded. A message carrying forwarded shares decodes in two steps, as the client
+    does: the shares, then the message they travel with."""
+    if kind in (MsgType.SHARES_AND_CHECK, MsgType.SHARES_AND_UNMASK):
+        _, shares, rest = m.DECODERS[kind](data)
+        inner = m.DECODERS[read_header(rest).kind](rest)
+        return m.with_shares(_reencode(*inner), shares)
+    if kind is MsgType.SHARES_AND_INPUT:
+        header, shares, masked = m.DECODERS[kind](data)
+        vector = masked.vector
+        return m.shares_and_input_head(header, shares, vector.size, vector.dtype) + \
+            vector.tobytes()
+    return _reencode(*m.DECODERS[kind](data))
 
 
 _COUNT_AT = m.HEADER.size  # where the first u32 count (or SETUP's n) of a body lies
@@ -398,12 +432,27 @@ def test_mutated_messages_decode_canonically_or_raise_protocol_error(mutated, as
     for decoder_kind in (kind, MsgType(data[3]) if len(data) > 3 and data[3] in
                          set(MsgType) else kind):
         try:
-            header, body = m.DECODERS[decoder_kind](as_type(data))
+            canonical = _decoded_canonically(decoder_kind, as_type(data))
         except ProtocolError as exc:
             assert exc.reason
             continue
         # Whatever is accepted is exactly the canonical encoding: nothing lenient.
-        assert _reencode(header, body) == data
+        assert canonical == data
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_every_single_byte_change_is_refused_or_canonical(kind):
+    """Each byte of a valid message changed in place (every position, two values): refused,
+    or decoded to exactly those bytes; no byte (padding, reserved, counts) is read leniently."""
+    data = SAMPLES[kind]
+    for at in range(len(data)):
+        for value in (data[at] ^ 0x01, data[at] ^ 0x80):
+            changed = bytearray(data)
+            changed[at] = value
+            try:
+                assert _decoded_canonically(kind, bytes(changed)) == bytes(changed)
+            except ProtocolError as exc:
+                assert exc.reason
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
@@ -413,7 +462,7 @@ def test_decoders_refuse_what_is_not_contiguous_bytes(kind):
     for bad in (data.decode("latin1"), None, 7, list(data), strided):
         with pytest.raises(ProtocolError):
             m.DECODERS[kind](bad)
-    header, _ = m.DECODERS[kind](memoryview(np.frombuffer(data, dtype=np.uint8)))
+    header = m.DECODERS[kind](memoryview(np.frombuffer(data, dtype=np.uint8)))[0]
     assert header.kind is kind  # the same bytes, contiguous: fine
 
 
