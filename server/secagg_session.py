@@ -76,7 +76,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from client.protocol.keys import ConfigKey
-from client.protocol.secagg import SecAggAction, SecAggKey, SecAggRecord, eval_setup
+from client.protocol.secagg import (
+    SecAggAction,
+    SecAggKey,
+    SecAggRecord,
+    eval_setup,
+    protocol_payload,
+)
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggServer, SessionParams, Stage, Status, dequantize_weighted
 from privacy.secagg.eval_words import EvalWords
@@ -176,13 +182,7 @@ def _first_line(text: str, limit: int = 300) -> str:
 
 
 def _payload(reply: Message) -> bytes:
-    content = reply.content
-    vector = content.get(SecAggRecord.VECTOR)
-    if isinstance(vector, ArrayRecord) and SecAggKey.VECTOR in vector:
-        return vector[SecAggKey.VECTOR].data
-    record = content.get(SecAggRecord.PROTOCOL)
-    value = record.get(SecAggKey.MSG) if isinstance(record, ConfigRecord) else None
-    return value if isinstance(value, bytes) else b""
+    return protocol_payload(reply.content)  # type: ignore[return-value]
 
 
 def _push_and_collect(grid: Grid, messages: list[Message], *, timeout: float, poll: float,

@@ -1,10 +1,13 @@
 """Secure aggregation (SecAgg+) over Flower messages: actions, records, settings, stages.
 
-One round is four round trips: ``train.secagg`` (the model, the train config and, in
-the ``SecAggRecord.PROTOCOL`` record, the SETUP message and the settings below), then
-``query.secagg`` with PUBLIC_KEYS, FORWARDED_SHARES and UNMASK_REQUEST. Protocol
-messages travel as bytes under ``SecAggKey.MSG``; the masked vector comes back as one
-uint8 Array (``SecAggKey.VECTOR``) in the ``SecAggRecord.VECTOR`` ArrayRecord. Secure
+One round starts with ``train.secagg`` (the model, the train config and, in the
+``SecAggRecord.PROTOCOL`` record, the SETUP message and the settings below); then come
+``query.secagg`` messages, one per later stage (PUBLIC_KEYS, SHARES_AND_UNMASK in the
+merged flow; see ``privacy.secagg.client``). Protocol messages travel as bytes under
+``SecAggKey.MSG``; a message holding a masked vector comes back as one uint8 Array
+(``SecAggKey.VECTOR``) in the ``SecAggRecord.VECTOR`` ArrayRecord on the in-process
+engine and above 4 MiB, else as protocol bytes too (:func:`protocol_payload` reads
+either). Secure
 FedBuff first sends ``train.secagg_hold`` (train and hold the delta, answer
 ``SecAggKey.READY``), then the buffer's SETUP in a ``query.secagg`` with
 ``SecAggKey.FACTOR``.
@@ -28,6 +31,7 @@ import hashlib
 from typing import Any
 
 import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from client.protocol.names import Names
 from privacy.secagg import ProtocolError, Stage
@@ -47,7 +51,7 @@ class SecAggRecord(Names):
     """Records of secure-aggregation messages."""
 
     PROTOCOL = "secagg"  # ConfigRecord of protocol bytes (first message: and settings)
-    VECTOR = "secagg-vector"  # ArrayRecord holding the MASKED_INPUT message
+    VECTOR = "secagg-vector"  # ArrayRecord holding a message with a masked vector
 
 
 class SecAggKey(Names):
@@ -93,6 +97,17 @@ EVAL_SETUP_SETTINGS: dict[str, type] = {
     SecAggKey.RUN: int, SecAggKey.ROUND: int, SecAggKey.DROPOUT: float,
     SecAggKey.DROPOUT_STAGE: str, SecAggKey.EVAL_LEVEL: int, SecAggKey.MAX_EXAMPLES: int,
     SecAggKey.LOSS_RANGE: float}
+
+
+def protocol_payload(content: RecordDict) -> bytes | memoryview:
+    """The protocol message that ``content`` carries: the masked vector's Array when there
+    is one, else the protocol record's bytes; b"" when it holds neither."""
+    vector = content.get(SecAggRecord.VECTOR)
+    if isinstance(vector, ArrayRecord) and SecAggKey.VECTOR in vector:
+        return vector[SecAggKey.VECTOR].data
+    record = content.get(SecAggRecord.PROTOCOL)
+    value = record.get(SecAggKey.MSG) if isinstance(record, ConfigRecord) else None
+    return value if isinstance(value, bytes) else b""
 
 
 def eval_setup(words: EvalWords) -> dict[str, Any]:

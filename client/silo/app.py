@@ -64,7 +64,7 @@ from client.protocol.ring import (
     RingStatus,
     ring_spec,
 )
-from client.protocol.secagg import SecAggKey, SecAggRecord
+from client.protocol.secagg import protocol_payload
 from client.protocol.train import read_dp_sgd_prior_rounds
 from client.protocol.updates import delta_record, flatten_model, model_views
 from client.secure_client import SecureClient, register_secagg
@@ -278,7 +278,7 @@ class SiloClient(FedringClient):
         if isinstance(bits, bool) or not isinstance(bits, int):
             raise WireError(f"a secure cross-silo message needs an integer '{RingKey.BITS}'")
         masked = self.secure.query(msg, context)  # FORWARDED_SHARES -> MASKED_INPUT
-        _, own = decode_masked_input(masked.content[SecAggRecord.VECTOR][SecAggKey.VECTOR].data)
+        _, own = decode_masked_input(protocol_payload(masked.content))
         result = ConfigRecord({RingKey.STATUS: RingStatus.OK, RingKey.RING_RANK: spec.rank,
                                RingKey.FAILED: [int(v) for v in own.failed]})
         device = self.workers.device
