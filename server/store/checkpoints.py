@@ -1,9 +1,18 @@
 """Checkpoint payloads sealed with their sha256, and the thread that writes them in the
-background."""
+background.
+
+A payload (format 2) is ``MAGIC``, the parameter count and the state's length (two
+little-endian uint64), the flat float32 parameters as raw little-endian bytes, then the
+state as a ``serialize.pack_state`` archive with an empty parameter vector. The
+parameters are copied once into the payload, with no zip CRC over them: the sha256
+recorded beside the payload is what checks them. Payloads of format 1 (a
+``pack_state`` archive holding the parameters too, as written before) still read.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from copy import deepcopy
@@ -32,10 +41,40 @@ def check_checkpoint_args(rnd: Any, version: Any, keep: Any,
     return checked
 
 
+MAGIC = b"FRCKPT\x00\x02"  # format 2 (format 1 payloads are zip archives: b"PK...")
+_HEADER = struct.Struct("<QQ")  # parameter count, state archive length
+_START = len(MAGIC) + _HEADER.size
+_F32 = np.dtype("<f4")
+_NO_PARAMS = np.zeros(0, dtype=_F32)
+
+
 def seal(params: np.ndarray, state: dict) -> tuple[bytes, str]:
-    """The payload of ``params`` and ``state``, and its sha256 hex."""
-    payload = pack_state(params, state)
+    """The payload of ``params`` (flat float32) and ``state``, and its sha256 hex."""
+    flat = np.ascontiguousarray(params, dtype=_F32).reshape(-1)
+    packed = pack_state(_NO_PARAMS, state)
+    payload = b"".join((MAGIC, _HEADER.pack(flat.size, len(packed)),
+                        memoryview(flat).cast("B"), packed))
     return payload, hashlib.sha256(payload).hexdigest()
+
+
+def open_payload(payload: bytes) -> tuple[np.ndarray, dict]:
+    """``(params, state)`` of a payload of either format; ValueError if it is not one."""
+    if not payload.startswith(MAGIC[:6]):
+        return unpack_state(payload)  # format 1
+    if not payload.startswith(MAGIC):
+        raise ValueError(f"checkpoint payload format {payload[6:8].hex()} is not one this "
+                         "code reads (format 2, or a format 1 archive)")
+    if len(payload) < _START:
+        raise ValueError(f"checkpoint payload of {len(payload)} bytes is shorter than its "
+                         "header")
+    count, packed = _HEADER.unpack_from(payload, len(MAGIC))
+    end = _START + count * _F32.itemsize
+    if end + packed != len(payload):
+        raise ValueError(f"checkpoint payload of {len(payload)} bytes does not hold the "
+                         f"{count} parameters and {packed} bytes of state its header states")
+    _, state = unpack_state(payload[end:])
+    params = np.frombuffer(payload, dtype=_F32, count=count, offset=_START)
+    return params.astype(np.float32), state  # a writable copy, in the machine's order
 
 
 def unseal(payload: bytes, recorded_sha256: str, where: str) -> tuple[np.ndarray, dict]:
@@ -48,7 +87,7 @@ def unseal(payload: bytes, recorded_sha256: str, where: str) -> tuple[np.ndarray
             f"{digest}, but {recorded_sha256} was recorded when it was saved"
         )
     try:
-        return unpack_state(payload)
+        return open_payload(payload)
     except ValueError as exc:
         raise CorruptCheckpoint(f"{where} cannot be decoded: {exc}") from exc
 
