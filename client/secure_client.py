@@ -18,6 +18,15 @@ One round is four message round trips, all answered by the same ClientApp:
   on the next message (SHARES_AND_CHECK or SHARES_AND_UNMASK); FORWARDED_SHARES ->
   MASKED_INPUT runs only as the fallback, when some client sent no shares.
 
+Keys advertised a round ahead (``privacy.secagg.ahead``, SETUP's ``advertise_ahead``): the
+UNMASK_RESPONSE of a sync round also carries the client's key advertisement for the next
+round, whose secrets the node keeps in ``Context.state`` (``fedring.secagg.ahead``, the
+state of :meth:`SecAggClient.carry_over`). When the next round's ``train.secagg`` brings
+SETUP with PUBLIC_KEYS (SETUP_AND_KEYS) the client checks SETUP with those keys (before
+training), trains and answers PUBLIC_KEYS at once: SHARES_AND_INPUT is its training reply.
+A fresh SETUP discards the kept keys; one that uses them records the round, and a fresh
+SETUP for that round is then refused.
+
 A secure evaluation session (``federation.secure_evaluation``) starts with
 ``evaluate.secagg``: the model, the evaluate config and a SETUP whose settings give the
 evaluation words' layout. The client checks the session against its policy exactly as
@@ -125,7 +134,7 @@ from privacy.secagg import (
 )
 from privacy.secagg.buffers import POOL
 from privacy.secagg.identity import Identity, TrustedKeys
-from privacy.secagg.messages import decode_setup, read_header
+from privacy.secagg.messages import decode_setup, read_header, unbundle
 from privacy.secagg.params import word_dtype
 from privacy.secagg.quantize import (
     StatWords,
@@ -141,6 +150,7 @@ _REPLY_STAGE = {**REPLY_STAGE, MsgType.SHARES_AND_CHECK: Stage.CONSISTENCY_CHECK
 HELD = "fedring.secagg.held"  # Context.state: the held delta until its buffer's SETUP
 STATE = "fedring.secagg"  # Context.state: the session and its settings
 INPUT = "fedring.secagg.input"  # Context.state: the quantized input until it is masked
+AHEAD = "fedring.secagg.ahead"  # Context.state: keys advertised ahead, the round that used some
 
 class InjectedDropout(RuntimeError):
     """A simulated client vanishing (``[secagg] dropout``): the server sees an error reply."""
@@ -508,8 +518,9 @@ class SecureClient:
 
     def _setup(self, msg: Message, context: Context, seed: int,
                local_update: Callable[[], HasDelta], factor: float = 1.0) -> Message:
-        """Answer SETUP: quantize the weighted delta of ``local_update``, keep it, reply."""
-        payload = _payload(msg)
+        """Answer SETUP: quantize the weighted delta of ``local_update``, keep it, reply (with
+        keys advertised ahead, SETUP_AND_KEYS: answer its PUBLIC_KEYS too)."""
+        payload, keys = _payload(msg), None
         s = _settings(msg.content[SecAggRecord.PROTOCOL])
         pid = _partition(context)
         rnd = s[SecAggKey.ROUND]
@@ -517,10 +528,18 @@ class SecureClient:
                              _num_partitions(context))
         if drop is Stage.ADVERTISE_KEYS:
             raise InjectedDropout("simulated dropout at stage advertise_keys")
+        if read_header(payload).kind is MsgType.SETUP_AND_KEYS:
+            _, payload, keys = unbundle(payload)
         setup = decode_setup(payload)[1]
+        own = self._own(context, setup.malicious)
         session = SecAggClient(int(context.node_id), run_id=s[SecAggKey.RUN], round_id=rnd,
-                               **self._own(context, setup.malicious))
+                               **own)
+        carried = context.state.get(AHEAD)
+        if isinstance(carried, ConfigRecord):
+            session.inherit(SecAggClient.from_state(carried["state"], **own))
         reply = session.handle(payload)  # refuses a session below policy before training
+        # keys advertised ahead: used now, or discarded by a fresh SETUP
+        context.state[AHEAD] = ConfigRecord({"state": session.carry_over().export_state()})
         update = local_update()
         distributed, dp_clip = dp_settings(msg.content[SecAggRecord.PROTOCOL])
         sparse = shared_request(msg.content[SecAggRecord.PROTOCOL])
@@ -561,8 +580,15 @@ class SecureClient:
             if stats is not None:  # the totals the server needs, inside the sum
                 quantized[d + 1:] = stats.encode(clipped, examples, _loss(update.metrics))
         context.state[INPUT] = _input_record(quantized, context)
+        if keys is None:
+            self._save(context, session, s, seed, pid, drop)
+            return Message(_protocol_content(reply), reply_to=msg)
+        if drop is not None and drop <= Stage.SHARE_KEYS:  # the PUBLIC_KEYS reply's stage
+            raise InjectedDropout(f"simulated dropout at stage {drop.name.lower()}")
+        session.threads = mask_threads(context)
+        content = self._answer(session, keys, MsgType.PUBLIC_KEYS, context, drop)
         self._save(context, session, s, seed, pid, drop)
-        return Message(_protocol_content(reply), reply_to=msg)
+        return Message(content, reply_to=msg)
 
     def query(self, msg: Message, context: Context) -> Message:
         """Answer PUBLIC_KEYS, FORWARDED_SHARES, CONSISTENCY_CHECK or UNMASK_REQUEST (in the
@@ -582,6 +608,21 @@ class SecureClient:
             raise InjectedDropout(f"simulated dropout at stage {Stage(drop).name.lower()}")
         session = SecAggClient.from_state(stored["state"], threads=mask_threads(context),
                                           **self._own(context))
+        content = self._answer(session, payload, kind, context, drop)
+        if kind in (MsgType.UNMASK_REQUEST, MsgType.SHARES_AND_UNMASK):
+            del context.state[STATE]  # the session is over: its keys go with it
+            if session.advertised_ahead is not None:  # but for those of the next round
+                context.state[AHEAD] = ConfigRecord(
+                    {"state": session.carry_over().export_state()})
+        else:
+            stored["state"] = session.export_state()
+        return Message(content, reply_to=msg)
+
+    @staticmethod
+    def _answer(session: SecAggClient, payload: bytes, kind: MsgType, context: Context,
+                drop: object) -> RecordDict:
+        """``session``'s reply to ``payload`` (of type ``kind``) as a message's content,
+        masking the round's quantized input where the message asks for it."""
         merged = session.config is not None and session.config.merged
         masks = kind is MsgType.FORWARDED_SHARES or (  # a client dropping at masking does not
             kind is MsgType.PUBLIC_KEYS and merged and drop != Stage.MASKED_INPUT)
@@ -598,14 +639,8 @@ class SecureClient:
                 or len(reply) > ONE_OBJECT_BYTES):
             vector = _record(SecAggKey.VECTOR, reply, context, dtype="uint8", shape=(len(reply),),
                              stype="bytes")
-            content = RecordDict({SecAggRecord.VECTOR: vector})
-        else:
-            content = _protocol_content(reply)
-        if kind in (MsgType.UNMASK_REQUEST, MsgType.SHARES_AND_UNMASK):
-            del context.state[STATE]  # the session is over: its keys go with it
-        else:
-            stored["state"] = session.export_state()
-        return Message(content, reply_to=msg)
+            return RecordDict({SecAggRecord.VECTOR: vector})
+        return _protocol_content(reply)
 
     @staticmethod
     def _save(context: Context, session: SecAggClient, s: dict[str, Any], seed: int, pid: int,

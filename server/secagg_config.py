@@ -36,7 +36,11 @@ delta, and the server learns only the sum over the round's survivors (see
 - ``security``: "semi_honest" (the default: against an honest-but-curious server) or
   "malicious" (against a server that lies: signed key advertisements, a graph derived
   from them, a consistency check before unmasking, ``privacy.secagg.malicious``); every
-  client then needs a SecAgg+ identity (``client.secagg_identity``).
+  client then needs a SecAgg+ identity (``client.secagg_identity``);
+- ``advertise_ahead`` (default true): in sync rounds each client's last reply also
+  advertises its keys for the next round, and a round whose whole cohort did so sends
+  SETUP with the public keys (one exchange fewer, ``privacy.secagg.ahead``); false gives
+  the flow without it.
 
 The settings can only be as strict as ``privacy.secagg.policy`` or stricter: weaker
 ones fail at start naming the key and its minimum, and every client checks the session
@@ -89,6 +93,7 @@ class SecAggScenarioConfig:
     min_survivors: int = MIN_SURVIVORS
     corrupt_fraction: float = DEFAULT_CORRUPT_FRACTION
     security: str = "semi_honest"
+    advertise_ahead: bool = True
 
     def __post_init__(self) -> None:
         k, t = self.neighbors, self.threshold
@@ -158,6 +163,11 @@ class SecAggScenarioConfig:
             raise ValueError(f"secagg.security must be one of {', '.join(SECURITY_MODES)} "
                              f"(\"malicious\": against a server that lies), "
                              f"got {self.security!r}")
+
+        if not isinstance(self.advertise_ahead, bool):
+            raise ValueError(f"secagg.advertise_ahead must be true or false (true: each "
+                             f"round's keys advertised with the previous round's last reply, "
+                             f"one exchange fewer), got {self.advertise_ahead!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SecAggScenarioConfig:

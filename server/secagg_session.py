@@ -16,6 +16,16 @@ shares, the session falls back to the classic flow's stage FORWARDED_SHARES ->
 MASKED_INPUT before the unmask request (or the consistency check); a session whose
 masked-input stage runs elsewhere (``masked_input``: a ring of silos) always runs it.
 
+Keys advertised a round ahead (``pending``, :mod:`privacy.secagg.ahead`; sync training
+rounds with ``secagg.advertise_ahead``): each client's UNMASK_RESPONSE also carries its
+key advertisement for the next round. When every node of the next round's cohort has one
+for that round, the training instruction carries SETUP and PUBLIC_KEYS at once
+(SETUP_AND_KEYS) and the client answers it, once trained, with SHARES_AND_INPUT: two
+exchanges, three in the malicious mode. Otherwise the round runs the flow above. The
+first exchange's seconds are the training stage's (``advertise_keys``), the share-keys
+work included when it rides on it; its non-responders are then dropouts of stage
+``share_keys``.
+
 A node that does not answer in time, or answers with an error, is a dropout of that
 stage; a client that refuses a session below its policy (``privacy.secagg.policy``)
 answers with an error naming the rule, which its update record keeps. The session meets
@@ -85,6 +95,7 @@ from client.protocol.secagg import (
 )
 from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggServer, SessionParams, Stage, Status, dequantize_weighted
+from privacy.secagg.ahead import PendingAdverts
 from privacy.secagg.eval_words import EvalWords
 from privacy.secagg.params import CLASSIC, MERGED
 from privacy.secagg.quantize import LOSS_RANGE, StatWords, max_level
@@ -216,14 +227,17 @@ class SecAggSession:
 
     def run(self, nodes: list[int], rnd: int, start: Start, *,
             on_reply: Callable[[int], None] | None = None,
-            masked_input: MaskedInputStage | None = None) -> SecureRoundOutcome:
+            masked_input: MaskedInputStage | None = None,
+            pending: PendingAdverts | None = None) -> SecureRoundOutcome:
         """Run the SecAgg+ stages with ``nodes`` for round ``rnd``, the first message as
         ``start`` says; the decoded weighted sum (or evaluation totals), or an abort.
 
         ``on_reply(i)`` is called as the i-th answer to the first message comes. With
         ``masked_input`` the masked-input stage runs elsewhere: it gets the session and
         the FORWARDED_SHARES messages and hands the session the sum of the masked vectors
-        (``SecAggServer.receive_sum``; cross-silo rounds sum them over a ring).
+        (``SecAggServer.receive_sum``; cross-silo rounds sum them over a ring). ``pending``:
+        the run's keys advertised ahead (a training round of the merged flow with
+        ``settings.advertise_ahead`` takes this round's and adds the next round's).
         """
         settings, weight_by, dp = self.settings, self.weight_by, self.dp
         evaluation = start.words if isinstance(start, EvalStart) else None
@@ -258,12 +272,18 @@ class SecAggSession:
             words = plan.padded_dim if stats is None else sent + 1 + stats.words
         outcome.coordinates = sent
         outcome.clip_range = 0.0 if stats is None else settings.start_range
+        ahead = (pending is not None and isinstance(start, TrainStart)
+                 and masked_input is None and settings.advertise_ahead)
+        given = pending.take(self.protocol_id, rnd, participants) \
+            if ahead and pending is not None else None
         server = SecAggServer(SessionParams.create(participants, words, bits=settings.bits,
                                                    k=k, t=t, run_id=self.protocol_id,
                                                    round_id=rnd, security=settings.security,
                                                    flow=MERGED if masked_input is None
-                                                   else CLASSIC),
-                              settings.policy)
+                                                   else CLASSIC, keys_ahead=given is not None,
+                                                   advertise_ahead=ahead),
+                              settings.policy, None, given)
+        exchanges = [0]  # the session's exchanges so far
         malicious = server.config.malicious
         common = {SecAggKey.RUN: self.protocol_id, SecAggKey.ROUND: rnd,
                   SecAggKey.DROPOUT: settings.dropout,
@@ -294,7 +314,7 @@ class SecAggSession:
             return _query(node, ConfigRecord({SecAggKey.MSG: payload}), group)
 
         def receive(node: int, reply: Message) -> None:
-            if server.stage is Stage.ADVERTISE_KEYS:
+            if exchanges[0] == 1:  # the first (training) exchange
                 outcome.replies += 1
                 if on_reply is not None:
                     on_reply(outcome.replies)
@@ -309,14 +329,16 @@ class SecAggSession:
         outbox, make = server.start(), first
         while server.status is Status.RUNNING:
             stage, started = server.stage, time.perf_counter()
+            exchanges[0] += 1
             if stage is Stage.MASKED_INPUT and masked_input is not None:
                 masked_input(server, outbox)
             else:
                 messages = [make(node, payload) for node, payload in outbox.items()]
                 _push_and_collect(self.grid, messages, timeout=self.timeout, poll=self.poll,
                                   on_reply=receive)
+            named = Stage.ADVERTISE_KEYS if make is first else stage  # the training stage
             outbox, make = server.advance(), later
-            outcome.stage_seconds[stage_name(stage)] = time.perf_counter() - started
+            outcome.stage_seconds[stage_name(named)] = time.perf_counter() - started
             reveal = Stage.CONSISTENCY_CHECK if malicious else Stage.UNMASKING
             masked = stage in (Stage.SHARE_KEYS, Stage.MASKED_INPUT)  # merged flow: SHARE_KEYS
             if plan is not None and server.stage is reveal and masked \
@@ -326,6 +348,8 @@ class SecAggSession:
                 if stop:
                     outcome.abort_reason = stop
                     break
+        if ahead and pending is not None:
+            pending.offer(server.ahead)
         stages = MALICIOUS_STAGES if malicious else STAGES
         outcome.dropouts = {stage_name(s): sorted(server.dropouts.get(s, ())) for s in stages}
         outcome.rejected = dict(sorted(server.rejected.items()))

@@ -36,6 +36,13 @@ checks its peers' and the derived graph, signs the survivor set in a consistency
 (CONSISTENCY_CHECK -> CONSISTENCY_SIGNATURE) and unmasks only for a quorum of signatures
 on that set (:mod:`privacy.secagg.malicious`); a client that requires it refuses a
 semi-honest SETUP.
+
+Keys advertised a round ahead (``SessionParams.advertise_ahead``, :mod:`privacy.secagg.ahead`):
+the last reply of a session (UNMASK_AND_ADVERTISE) also carries a fresh advertisement for
+the next round, whose secrets the client keeps (:meth:`SecAggClient.carry_over` hands them
+to that round's session, :meth:`SecAggClient.inherit` takes them). A SETUP with
+``keys_ahead`` (SETUP_AND_KEYS) uses them, for that round only and once; a client that
+used them refuses a fresh SETUP for the same round, and a fresh SETUP discards them.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from privacy.secagg.shamir import SHARE_BYTES, split_secret
 from privacy.secagg.stages import Stage
 
 _STATE_MAGIC = b"SC"
-_STATE_VERSION = 5  # 5: the merged flow's flag (masked input sent with the shares)
+_STATE_VERSION = 6  # 6: the keys advertised ahead (pending, and the round they were used)
 _EARLY = 4  # state flag: the masked input went with the shares, the shares not yet back
 _STATE_HEAD = struct.Struct("<2sBBQBQI")
 _BLOB = struct.Struct("<I")
@@ -69,6 +76,9 @@ _PEER = struct.Struct(f"<Q{kx.KEY_BYTES}s{kx.KEY_BYTES}s")  # id, share key to u
 _HELD = struct.Struct(f"<Q{SHARE_BYTES}s{SHARE_BYTES}s")  # id, b-share, sk-share
 _REVEALED = struct.Struct("<QB")
 _LISTED = struct.Struct(f"<Q{kx.KEY_BYTES}s")  # id, advertisement digest
+# pending keys advertised ahead: run, round, c_sk, s_sk, b_u's seed
+_PENDING = struct.Struct(f"<QI{kx.KEY_BYTES}s{kx.KEY_BYTES}s32s")
+_SPENT = struct.Struct("<QI")  # the run and round whose session used keys advertised ahead
 
 
 class SecAggClient:
@@ -123,6 +133,9 @@ class SecAggClient:
         self._revealed: dict[int, ShareKind] = {}
         self._early = False  # merged flow: masked input sent with the shares, shares not back
         self._failed: tuple[int, ...] = ()  # merged flow: failed shares, for this reply only
+        self._pending: tuple[int, int, bytes, bytes, bytes] | None = None  # keys advertised
+        #               ahead: (run, round, c_sk, s_sk, b_u's seed), for that round only
+        self._spent: tuple[int, int] | None = None  # (run, round) that used such keys
 
     # --- public API --------------------------------------------------------
 
@@ -149,10 +162,33 @@ class SecAggClient:
             MsgType.UNMASK_REQUEST: self._on_unmask_request,
             MsgType.SHARES_AND_CHECK: self._on_shares_and,
             MsgType.SHARES_AND_UNMASK: self._on_shares_and,
+            MsgType.SETUP_AND_KEYS: self._on_setup_and_keys,
         }
         if kind not in handlers:
             raise ProtocolError(f"a client does not accept {kind.name} messages")
         return handlers[kind](payload)
+
+    def carry_over(self) -> SecAggClient:
+        """A client for the next session, at stage SETUP, holding only what crosses rounds:
+        the keys this one advertised ahead (if any) and the round that used keys advertised
+        ahead (if any). Its :meth:`export_state` is what a node keeps between rounds."""
+        nxt = SecAggClient(self.client_id, threads=self.threads, policy=self.policy,
+                           identity=self.identity, trusted=self.trusted,
+                           security=self.security)
+        nxt._pending, nxt._spent = self._pending, self._spent
+        return nxt
+
+    def inherit(self, previous: SecAggClient) -> None:
+        """Take the keys advertised ahead and the spent round of ``previous`` (a
+        :meth:`carry_over` of this node's last session), before SETUP."""
+        if previous.client_id != self.client_id or self.stage != Stage.SETUP:
+            raise ValueError("a session inherits only its own node's state, before SETUP")
+        self._pending, self._spent = previous._pending, previous._spent
+
+    @property
+    def advertised_ahead(self) -> tuple[int, int] | None:
+        """(run, round) of the keys this client advertised ahead and still holds, or None."""
+        return None if self._pending is None else self._pending[:2]
 
     @property
     def held_peers(self) -> frozenset[int]:
@@ -164,25 +200,73 @@ class SecAggClient:
     def _on_setup(self, payload: bytes) -> bytes:
         self._require_stage(Stage.SETUP, "SETUP")
         h, config = _decode_setup(payload)
+        session = (config.run_id, config.round_id)
+        if config.keys_ahead:
+            if self._pending is None or self._pending[:2] != session:
+                raise ProtocolError(f"SETUP uses keys advertised ahead for run {session[0]} "
+                                    f"round {session[1]}; this client holds none for it")
+        elif self._spent == session:
+            raise ProtocolError(f"SETUP for round {session[1]}, whose session already ran "
+                                "with the keys advertised ahead: one session per round")
         self._load_setup(h, config)
-        self._c_sk, self._s_sk = kx.new_private_key(), kx.new_private_key()
-        self._b_seed = os.urandom(32)
+        if config.keys_ahead:  # used once, for this round only
+            assert self._pending is not None
+            _, _, c_sk, s_sk, self._b_seed = self._pending
+            self._c_sk = kx.private_key_from_bytes(c_sk)
+            self._s_sk = kx.private_key_from_bytes(s_sk)
+            self._spent = session
+        else:
+            self._c_sk, self._s_sk = kx.new_private_key(), kx.new_private_key()
+            self._b_seed = os.urandom(32)
+        self._pending = None  # a fresh SETUP discards keys advertised ahead
         self._setup_raw = bytes(payload)
         advert, self._own_digest = self._advert()
         self.stage = Stage.ADVERTISE_KEYS
+        if config.keys_ahead:  # advertised already: PUBLIC_KEYS comes with this SETUP
+            return b""
         return msg.encode_advertise_keys(self._header(MsgType.ADVERTISE_KEYS), advert)
+
+    def _on_setup_and_keys(self, payload: bytes) -> bytes | memoryview:
+        """SETUP of a session with keys advertised ahead, and its PUBLIC_KEYS: the reply to
+        PUBLIC_KEYS (the keys are used even if PUBLIC_KEYS is refused: once)."""
+        _, setup, keys = msg.unbundle(payload)
+        if not _decode_setup(setup)[1].keys_ahead:
+            raise ProtocolError("SETUP_AND_KEYS carries a SETUP without keys advertised ahead")
+        self._on_setup(setup)
+        return self._on_public_keys(keys)
+
+    def _advertise_next(self) -> bytes:
+        """This session's advertisement for the next round (the same for every unmask
+        request of the session), its secrets kept until that round's SETUP."""
+        cfg = self._cfg
+        nxt = (cfg.run_id, cfg.round_id + 1)
+        if self._pending is None or self._pending[:2] != nxt:
+            c_sk, s_sk = kx.new_private_key(), kx.new_private_key()
+            self._pending = (*nxt, kx.private_bytes(c_sk), kx.private_bytes(s_sk),
+                             os.urandom(32))
+        _, rnd, c_sk_raw, s_sk_raw, b_seed = self._pending
+        c_pk = kx.public_bytes(kx.private_key_from_bytes(c_sk_raw))
+        s_pk = kx.public_bytes(kx.private_key_from_bytes(s_sk_raw))
+        advert = self._signed_advert(cfg.run_id, rnd, c_pk, s_pk, kx.commit(b_seed))[0]
+        h = Header(MsgType.ADVERTISE_KEYS, cfg.run_id, rnd, self.client_id)
+        return msg.encode_advertise_keys(h, advert)
 
     def _advert(self) -> tuple[msg.AdvertiseKeys, bytes]:
         """This round's key advertisement (signed in the malicious mode) and its digest, the
         entry the advertisement list must hold for this client (b"" if unsigned)."""
         assert self._c_sk is not None and self._s_sk is not None
         c_pk, s_pk = kx.public_bytes(self._c_sk), kx.public_bytes(self._s_sk)
-        commitment = kx.commit(self._b_seed)
-        cfg = self._cfg
-        if not cfg.malicious or self.identity is None:
+        return self._signed_advert(self._cfg.run_id, self._cfg.round_id, c_pk, s_pk,
+                                   kx.commit(self._b_seed))
+
+    def _signed_advert(self, run_id: int, round_id: int, c_pk: bytes, s_pk: bytes,
+                       commitment: bytes) -> tuple[msg.AdvertiseKeys, bytes]:
+        """An advertisement bound to ``run_id`` and ``round_id`` (signed in the malicious
+        mode) and its digest (b"" if unsigned)."""
+        if not self._cfg.malicious or self.identity is None:
             return msg.AdvertiseKeys(c_pk, s_pk, commitment), b""
         ident = self.identity.public
-        message = mal.advert_message(cfg.run_id, cfg.round_id, self.client_id, c_pk, s_pk,
+        message = mal.advert_message(run_id, round_id, self.client_id, c_pk, s_pk,
                                      commitment, ident)
         signature = self.identity.sign(message)
         return (msg.AdvertiseKeys(c_pk, s_pk, commitment, ident, signature),
@@ -359,7 +443,10 @@ class SecAggClient:
                 self._revealed[v] = ShareKind.MASK_KEY
         self.stage = Stage.UNMASKING
         reply = msg.UnmaskResponse(tuple(out), self._failed)
-        return msg.encode_unmask_response(self._header(MsgType.UNMASK_RESPONSE), reply)
+        response = msg.encode_unmask_response(self._header(MsgType.UNMASK_RESPONSE), reply)
+        if not self._cfg.advertise_ahead:
+            return response
+        return msg.bundle(MsgType.UNMASK_AND_ADVERTISE, response, self._advertise_next())
 
     # --- validation of server messages (no side effects but the returned values) ---
 
@@ -583,8 +670,9 @@ class SecAggClient:
         private keys and b_u's seed until PUBLIC_KEYS, then the seed alone until
         masking; per announced neighbour its share key and pair seed; per held
         peer its two shares; in the malicious mode also the advertisement list, or this
-        client's own entry until the list comes, and the signed survivor set), then the
-        shares revealed so far.
+        client's own entry until the list comes, and the signed survivor set; then the keys
+        advertised ahead, if held, and the run and round that used such keys, if any), then
+        the shares revealed so far.
         """
         flags = (self.expected_run_id is not None) | (self.expected_round_id is not None) << 1
         flags |= _EARLY if self._early else 0
@@ -608,6 +696,8 @@ class SecAggClient:
             blobs.append(_pack_listed(own if self.stage == Stage.ADVERTISE_KEYS
                                       else self._listed))
             blobs.append(struct.pack(f"<{len(self._signed_set)}Q", *self._signed_set))
+        blobs.append(b"" if self._pending is None else _PENDING.pack(*self._pending))
+        blobs.append(b"" if self._spent is None else _SPENT.pack(*self._spent))
         parts = [head] + [_BLOB.pack(len(b)) + b for b in blobs]
         parts.append(_BLOB.pack(len(self._revealed)))
         parts += [_REVEALED.pack(v, k) for v, k in sorted(self._revealed.items())]
@@ -635,7 +725,7 @@ class SecAggClient:
             raise ProtocolError("not a client state of this version")
         pos = _STATE_HEAD.size
         blobs: list[bytes] = []
-        count = 4  # six once the SETUP (the first blob) says malicious
+        count = 6  # eight once the SETUP (the first blob) says malicious
         while len(blobs) < count:
             (size,) = _BLOB.unpack_from(data, pos)
             if pos + 4 + size > len(data):
@@ -643,7 +733,7 @@ class SecAggClient:
             blobs.append(data[pos + 4 : pos + 4 + size])
             pos += 4 + size
             if len(blobs) == 1 and _is_malicious(blobs[0]):
-                count = 6
+                count = 8
         client = cls(
             cid, run_id=run_id if flags & 1 else None, round_id=round_id if flags & 2 else None,
             policy=own.policy, identity=own.identity, trusted=own.trusted,
@@ -671,8 +761,15 @@ class SecAggClient:
             client._setup_raw = setup
         if client._early and (client.stage != Stage.SHARE_KEYS or not client._cfg.merged):
             raise ProtocolError(f"client state does not match stage {client.stage.name}")
-        if len(blobs) == 6:
+        if len(blobs) == 8:
             client._restore_malicious(blobs[4], blobs[5])
+        pending, spent = blobs[-2:]
+        if pending:
+            client._pending = _PENDING.unpack(pending)
+            kx.private_key_from_bytes(client._pending[2])  # ValueError if malformed
+            kx.private_key_from_bytes(client._pending[3])
+        if spent:
+            client._spent = _SPENT.unpack(spent)
         if len(secrets) == 96:
             client._c_sk = kx.private_key_from_bytes(secrets[:32])
             client._s_sk = kx.private_key_from_bytes(secrets[32:64])

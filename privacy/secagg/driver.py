@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from privacy.secagg.ahead import PendingAdverts
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.errors import ProtocolError
 from privacy.secagg.identity import Identity, TrustedKeys
@@ -47,6 +48,9 @@ def run_secagg_round(
     server_trusted: TrustedKeys | None = None,
     clients_out: dict[int, SecAggClient] | None = None,
     flow: str = MERGED,
+    pending: PendingAdverts | None = None,
+    previous: Mapping[int, SecAggClient] | None = None,
+    exchanges: list[int] | None = None,
 ) -> tuple[np.ndarray | None, SecAggServer]:
     """Run one round; returns (sum mod 2^bits, server), or (None, server) if aborted.
 
@@ -64,16 +68,25 @@ def run_secagg_round(
     the server gets ``server_trusted`` (None: it checks signatures, not trust).
     ``clients_out`` receives the clients. ``flow``: the message flow
     (:data:`~privacy.secagg.params.MERGED` or ``CLASSIC``).
+
+    ``pending`` (keys advertised a round ahead, :mod:`privacy.secagg.ahead`): the clients
+    advertise their next round's keys with their last reply, kept there, and the round
+    uses those of this round when every client has one; ``previous``: the clients of
+    the node's last round (each new client inherits its keys advertised ahead).
+    ``exchanges`` receives the number of server messages sent to clients in turn
+    (exchanges) this round took.
     """
     n = len(inputs)
     ids = list(ids) if ids is not None else list(range(1, n + 1))
     drop = dict(drop or {})
     dim = int(np.asarray(inputs[0]).size)
+    given = pending.take(run_id, round_id, ids) if pending is not None else None
     config = SessionParams.create(
         ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed,
-        security=security, flow=flow,
+        security=security, flow=flow, keys_ahead=given is not None,
+        advertise_ahead=pending is not None,
     )
-    server = SecAggServer(config, policy, server_trusted)
+    server = SecAggServer(config, policy, server_trusted, given)
     if security == MALICIOUS:
         identities = identities or {c: Identity.generate() for c in ids}
         trusted = trusted or TrustedKeys(identities[c].public for c in ids)
@@ -83,6 +96,9 @@ def run_secagg_round(
     else:
         clients = {c: SecAggClient(c, run_id=run_id, round_id=round_id, policy=policy)
                    for c in ids}
+    for c, client in clients.items():
+        if previous is not None and c in previous:
+            client.inherit(previous[c].carry_over())
     if clients_out is not None:
         clients_out.update(clients)
     for c, x in zip(ids, inputs, strict=True):
@@ -90,7 +106,9 @@ def run_secagg_round(
             clients[c].set_input(x)
     silent: set[int] = set()
     outbox = server.start()
+    sent = 0
     while server.status is Status.RUNNING:
+        sent += bool(outbox)
         stage = server.stage
         for c, payload in outbox.items():
             if c in silent or drop.get(c, Stage.UNMASKING + 1) <= stage:
@@ -117,4 +135,8 @@ def run_secagg_round(
                     continue
             server.receive(c, reply)
         outbox = server.advance()
+    if exchanges is not None:
+        exchanges.append(sent)
+    if pending is not None:
+        pending.offer(server.ahead)
     return (server.result() if server.status is Status.COMPLETED else None), server

@@ -45,6 +45,16 @@ classic flow: a SETUP means what it meant before the merged flow). The merged fl
 and UNMASK_RESPONSE (like CONSISTENCY_SIGNATURE) may end with f u32, f ids: the senders
 whose shares, received with the request, did not authenticate (sent only when f > 0).
 
+Keys advertised a round ahead (:mod:`privacy.secagg.ahead`) add two SETUP mode bits, 0x20
+(``keys_ahead``: the session's keys are those advertised with the previous round's last
+reply) and 0x40 (``advertise_ahead``: the last reply advertises the next round's keys),
+each only with the merged flow's bit, and two bundles of two whole messages::
+
+    SETUP_AND_KEYS        u32 length of the SETUP message, SETUP, PUBLIC_KEYS (both for
+                          this header's run, round and recipient)
+    UNMASK_AND_ADVERTISE  u32 length of the UNMASK_RESPONSE, UNMASK_RESPONSE, then an
+                          ADVERTISE_KEYS of the same run and sender for round + 1
+
 A ciphertext is nonce 12B || AES-GCM(b-share 33B || sk-share 33B) || tag 16B.
 Encoders return ``bytes``, except MASKED_INPUT: :func:`new_masked_input` gives a
 ``bytearray`` to write the vector into, and :func:`masked_input_head` the bytes before
@@ -102,8 +112,11 @@ _SIG = struct.Struct(f"<{SIGNATURE_BYTES}s")
 _SIGNED_SET = struct.Struct(_SIGNED_PEER.format + f"{SIGNATURE_BYTES}s")  # + consistency sig.
 _MODE_MALICIOUS = 1  # SETUP's optional mode byte: these bits; absent: semi-honest, classic
 _MODE_MERGED = 0x10
+_MODE_KEYS_AHEAD = 0x20
+_MODE_ADVERTISE_AHEAD = 0x40
 _MODES = {(False, False): 0, (True, False): _MODE_MALICIOUS,
           (False, True): _MODE_MERGED, (True, True): _MODE_MALICIOUS | _MODE_MERGED}
+_AHEAD_BITS = _MODE_KEYS_AHEAD | _MODE_ADVERTISE_AHEAD
 
 T = TypeVar("T")
 
@@ -289,6 +302,8 @@ def encode_setup(config: SessionParams, recipient: int) -> bytes:
     h = Header(MsgType.SETUP, config.run_id, config.round_id, recipient)
     body = _SETUP.pack(config.n, config.k, config.t, config.bits, config.dim, config.seed)
     bits = _MODES[(config.malicious, config.merged)]
+    bits |= (_MODE_KEYS_AHEAD if config.keys_ahead else 0) | \
+        (_MODE_ADVERTISE_AHEAD if config.advertise_ahead else 0)
     mode = bytes([bits]) if bits else b""
     return _header_bytes(h) + body + struct.pack(f"<{config.n}Q", *config.participants) + mode
 
@@ -302,14 +317,17 @@ def decode_setup(data: bytes) -> tuple[Header, SessionParams]:
     mode = 0
     if r.pos < len(r.data):
         (mode,) = r.unpack(struct.Struct("<B"))
-        if mode not in _MODES.values() or not mode:
+        base = mode & ~_AHEAD_BITS
+        if base not in _MODES.values() or not mode or (
+                mode & _AHEAD_BITS and not base & _MODE_MERGED):
             raise ProtocolError(f"unknown security mode {mode}")
     r.end()
     security = MALICIOUS if mode & _MODE_MALICIOUS else SEMI_HONEST
     flow = MERGED if mode & _MODE_MERGED else CLASSIC
     try:
         config = SessionParams(ids, k, t, bits, dim, h.run_id, h.round_id, seed, security,
-                               flow)
+                               flow, bool(mode & _MODE_KEYS_AHEAD),
+                               bool(mode & _MODE_ADVERTISE_AHEAD))
     except ValueError as exc:
         raise ProtocolError(f"invalid configuration: {exc}") from None
     return h, config
@@ -493,6 +511,45 @@ def _decode_failed(r: _Reader) -> tuple[int, ...]:
     if not failed:
         raise ProtocolError("an empty failed-share list is sent as none")
     return failed
+
+
+# --- keys advertised ahead: SETUP_AND_KEYS, UNMASK_AND_ADVERTISE -----------------
+
+#: Each bundle: the two message types it carries, and by how much the second's round
+#: exceeds the bundle's.
+_BUNDLES = {MsgType.SETUP_AND_KEYS: (MsgType.SETUP, MsgType.PUBLIC_KEYS, 0),
+            MsgType.UNMASK_AND_ADVERTISE: (MsgType.UNMASK_RESPONSE, MsgType.ADVERTISE_KEYS, 1)}
+
+
+def bundle(kind: MsgType, first: bytes, second: bytes) -> bytes:
+    """Two whole messages in one (SETUP_AND_KEYS or UNMASK_AND_ADVERTISE), under the first
+    one's run, round and client."""
+    h = read_header(first)
+    return _header_bytes(Header(kind, h.run_id, h.round_id, h.client_id)) + \
+        _U32.pack(len(first)) + bytes(first) + bytes(second)
+
+
+def unbundle(data: bytes) -> tuple[Header, bytes, bytes]:
+    """:func:`bundle` undone: (header, first message, second message), each checked for its
+    type and for the bundle's run, client and round (the next round for the advertisement
+    of UNMASK_AND_ADVERTISE); their bodies are left to their own decoders."""
+    h, r = _open(data, None)
+    if h.kind not in _BUNDLES:
+        raise ProtocolError(f"a {h.kind.name} message bundles no other")
+    (size,) = r.unpack(_U32)
+    if size > len(r.data) - r.pos:
+        raise ProtocolError("bundled message length does not fit the message")
+    first = bytes(r.data[r.pos : r.pos + size])
+    second = bytes(r.data[r.pos + size :])
+    first_kind, second_kind, step = _BUNDLES[h.kind]
+    for part, kind, rnd in ((first, first_kind, h.round_id), (second, second_kind,
+                                                               h.round_id + step)):
+        inner = _open(part, kind)[0]
+        if (inner.run_id, inner.round_id, inner.client_id) != (h.run_id, rnd, h.client_id):
+            raise ProtocolError(f"a bundled {kind.name} of run {inner.run_id} round "
+                                f"{inner.round_id} client {inner.client_id}, expected run "
+                                f"{h.run_id} round {rnd} client {h.client_id}")
+    return h, first, second
 
 
 # --- MASKED_INPUT ----------------------------------------------------------
@@ -710,6 +767,8 @@ DECODERS = {
     MsgType.SHARES_AND_INPUT: decode_shares_and_input,
     MsgType.SHARES_AND_CHECK: split_shares,
     MsgType.SHARES_AND_UNMASK: split_shares,
+    MsgType.SETUP_AND_KEYS: unbundle,
+    MsgType.UNMASK_AND_ADVERTISE: unbundle,
 }
 
 

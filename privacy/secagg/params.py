@@ -202,7 +202,11 @@ class SessionParams:
     graph is built on their positions from the public ``seed`` (semi-honest mode) or from
     a seed derived from the round's signed key advertisements (``security`` "malicious":
     :mod:`privacy.secagg.malicious`; ``seed`` is then unused). ``flow``: :data:`MERGED`
-    or :data:`CLASSIC`; a client refuses the messages of the other.
+    or :data:`CLASSIC`; a client refuses the messages of the other. The merged flow's
+    keys advertised a round ahead (:mod:`privacy.secagg.ahead`): ``keys_ahead``, this
+    session's keys are those its clients advertised with their last reply of the previous
+    round (SETUP travels with PUBLIC_KEYS); ``advertise_ahead``, each client's last reply
+    carries its advertisement for the next round.
     """
 
     participants: tuple[int, ...]
@@ -215,6 +219,8 @@ class SessionParams:
     seed: bytes
     security: str = SEMI_HONEST
     flow: str = MERGED
+    keys_ahead: bool = False
+    advertise_ahead: bool = False
 
     def __post_init__(self) -> None:
         p = self.participants
@@ -244,6 +250,10 @@ class SessionParams:
                              f"got {self.security!r}")
         if self.flow not in FLOWS:
             raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {self.flow!r}")
+        if (self.keys_ahead or self.advertise_ahead) and self.flow != MERGED:
+            raise ValueError("keys advertised ahead need the merged flow")
+        if self.advertise_ahead and self.round_id == (1 << 32) - 1:
+            raise ValueError("no round follows round 2**32 - 1 to advertise keys for")
 
     @property
     def merged(self) -> bool:
@@ -284,6 +294,8 @@ class SessionParams:
         seed: bytes | None = None,
         security: str = SEMI_HONEST,
         flow: str = MERGED,
+        keys_ahead: bool = False,
+        advertise_ahead: bool = False,
     ) -> SessionParams:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
@@ -300,7 +312,8 @@ class SessionParams:
             t = default_threshold(k)
         if seed is None:
             seed = os.urandom(SEED_BYTES)
-        return cls(ids, k, t, bits, dim, run_id, round_id, seed, security, flow)
+        return cls(ids, k, t, bits, dim, run_id, round_id, seed, security, flow, keys_ahead,
+                   advertise_ahead)
 
 
 def word_dtype(bits: int) -> np.dtype:

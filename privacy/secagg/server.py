@@ -45,6 +45,13 @@ check, or the unmask request); otherwise the early vectors are dropped and the c
 FORWARDED_SHARES -> MASKED_INPUT stage runs. A share that fails authentication is then
 reported with the next reply: its sender is rejected, its vector stays in the sum.
 
+Keys advertised a round ahead (:mod:`privacy.secagg.ahead`): with
+``config.advertise_ahead`` each client's last reply (UNMASK_AND_ADVERTISE) carries its
+advertisement for the next round, kept in :attr:`SecAggServer.ahead` once the response is
+accepted; with ``config.keys_ahead`` the session is given every participant's advertisement
+(``ahead``), takes them as stage 1's replies (each checked as one) in :meth:`start`, and
+sends each client SETUP and PUBLIC_KEYS at once (SETUP_AND_KEYS): one exchange fewer.
+
 Cost: masked vectors are added into one running sum as they arrive (a sender
 rejected later is subtracted again), so only that sum is kept for stage 4, where
 the secrets are rebuilt (one set of Lagrange coefficients per set of holders)
@@ -54,7 +61,7 @@ and every mask to remove is expanded and subtracted in place, chunk by chunk.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 
 import numpy as np
@@ -84,10 +91,17 @@ class SecAggServer:
     """One round of secure aggregation, server side."""
 
     def __init__(self, config: SessionParams, policy: SecAggPolicy = DEFAULT_POLICY,
-                 trusted: TrustedKeys | None = None) -> None:
+                 trusted: TrustedKeys | None = None,
+                 ahead: Mapping[int, bytes] | None = None) -> None:
         why = policy.violation(config)
         if why is not None:
             raise ValueError(f"session below the secure-aggregation policy: {why}")
+        if config.keys_ahead != (ahead is not None) or (
+                ahead is not None and set(ahead) != set(config.participants)):
+            raise ValueError("a session with keys advertised ahead needs exactly one "
+                             "advertisement per participant, and only such a session")
+        self._given = dict(ahead or {})  # keys_ahead: the advertisements, until start()
+        self.ahead: dict[int, bytes] = {}  # advertise_ahead: next round's, by sender
         self.config = config
         self.policy = policy
         self.trusted = trusted  # malicious mode: advertisements by others are rejected
@@ -143,7 +157,15 @@ class SecAggServer:
         if self.stage != Stage.SETUP:
             raise RuntimeError("session already started")
         self._open(Stage.ADVERTISE_KEYS, set(self.participants))
-        return {c: msg.encode_setup(self.config, c) for c in self.participants}
+        setups = {c: msg.encode_setup(self.config, c) for c in self.participants}
+        if not self.config.keys_ahead:
+            return setups
+        given, self._given = self._given, {}
+        for c in self.participants:  # stage 1's replies, checked as such
+            self.receive(c, given[c])
+        keys = self.advance()
+        return {c: msg.bundle(MsgType.SETUP_AND_KEYS, setups[c], payload)
+                for c, payload in keys.items()}
 
     def receive(self, sender: int, payload: bytes) -> bool:
         """Take one client reply; False (and a recorded reason) if not accepted."""
@@ -350,6 +372,11 @@ class SecAggServer:
             raise ProtocolError(f"masked vector has values >= 2^{cfg.bits}")
 
     def _accept_unmask_response(self, sender: int, payload: bytes) -> msg.UnmaskResponse:
+        advert = None
+        if msg.read_header(payload).kind is MsgType.UNMASK_AND_ADVERTISE:
+            if not self.config.advertise_ahead:
+                raise ProtocolError("an advertisement ahead in a session that asks for none")
+            _, payload, advert = msg.unbundle(payload)
         _, m = msg.decode_unmask_response(payload)
         kinds: dict[int, ShareKind] = {}
         for s in m.shares:
@@ -364,6 +391,12 @@ class SecAggServer:
         self._late_failed.pop(sender, None)
         if m.failed:
             self._late_failed[sender] = m.failed
+        if advert is not None:
+            try:  # checked in full (signature, keys) when the next round takes it
+                msg.decode_advertise_keys(advert)
+                self.ahead[sender] = advert
+            except ProtocolError as exc:
+                self.ignored.append((sender, f"advertisement ahead: {exc.reason}"))
         return m
 
     # --- closing stages ------------------------------------------------------

@@ -33,6 +33,10 @@ class MsgType(IntEnum):
     SHARES_AND_INPUT = 11  # client -> server: SHARE_KEYS and the masked vector, in one
     SHARES_AND_CHECK = 12  # server -> client: its shares, then CONSISTENCY_CHECK
     SHARES_AND_UNMASK = 13  # server -> client: its shares, then UNMASK_REQUEST
+    # keys advertised a round ahead (SessionParams.keys_ahead / advertise_ahead)
+    SETUP_AND_KEYS = 14  # server -> client: SETUP, then PUBLIC_KEYS of the ahead keys
+    UNMASK_AND_ADVERTISE = 15  # client -> server: UNMASK_RESPONSE, then the next round's
+    #                            ADVERTISE_KEYS
 
 
 #: The client messages the server accepts while a stage is open.
@@ -41,5 +45,5 @@ REPLY_TYPE: dict[Stage, tuple[MsgType, ...]] = {
     Stage.SHARE_KEYS: (MsgType.SHARE_KEYS, MsgType.SHARES_AND_INPUT),
     Stage.MASKED_INPUT: (MsgType.MASKED_INPUT,),
     Stage.CONSISTENCY_CHECK: (MsgType.CONSISTENCY_SIGNATURE,),
-    Stage.UNMASKING: (MsgType.UNMASK_RESPONSE,),
+    Stage.UNMASKING: (MsgType.UNMASK_RESPONSE, MsgType.UNMASK_AND_ADVERTISE),
 }
