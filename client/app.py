@@ -35,7 +35,7 @@ from client.dp_sgd import DPSGDBudgetExceeded, dp_sgd_round
 from client.flat_model import FlatModel
 from client.protocol.errors import WireError
 from client.protocol.evaluation import ClientEvaluation, evaluation_metrics
-from client.protocol.flower_compat import ClientAppCallable, record_entries
+from client.protocol.flower_compat import ClientAppCallable, record_entries, reply_message
 from client.protocol.keys import REPLY_DELTA, ConfigKey, MetricKey, NodeConfigKey, RecordName
 from client.protocol.npy import ReplyBuffers
 from client.protocol.records import metric_record, record_dict
@@ -347,7 +347,7 @@ class FedringClient:
             weights = update.base_flat + delta if update.noised else update.trained
             content = record_dict({RecordName.ARRAYS: model_record(model.layout, weights),
                                    RecordName.METRICS: metrics})
-        return Message(content, reply_to=msg)
+        return reply_message(content, msg)  # Message(content, reply_to=msg), leaner
 
     def evaluation(self, msg: Message, context: Context) -> ClientEvaluation:
         """The sent model's figures on this node's held-out split and, with FedBN and a

@@ -11,11 +11,20 @@ functions that need them, so importing this module costs only ``flwr.app``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    Context,
+    Message,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode, SubStatus
 from flwr.supercore.run import Run
@@ -27,7 +36,8 @@ __all__ = [
     "array_from_fields", "client_app_error_code", "copy_record", "empty_run",
     "flwr_home", "load_client_app", "on_supernode_message", "pull_task_input",
     "push_reply", "push_task_output", "read_flower_config", "record_entries",
-    "record_from_entries", "register_node", "run_flower_supernode", "run_simulation",
+    "record_from_entries", "register_node", "reply_message", "run_flower_supernode",
+    "run_simulation",
     "runtime_client", "set_message_id", "set_sender", "set_task_identity",
     "share_connection", "shorten_grid_object_retries", "shorten_supernode_waits",
     "start_parent_process_monitor", "task_heartbeat_request", "write_flower_config",
@@ -117,6 +127,52 @@ def array_from_fields(dtype: str, shape: tuple[int, ...], stype: str,
 
 
 # Message metadata and identity --------------------------------------------------------
+
+_METADATA_FIELDS = frozenset((
+    "_run_id", "_message_id", "_src_node_id", "_dst_node_id", "_src_task_id",
+    "_dst_task_id", "_reply_to_message_id", "_group_id", "_created_at", "_ttl",
+    "_message_type", "_delivered_at"))
+
+
+def _reply_layout_known() -> bool:
+    """Whether Flower's Message and Metadata keep exactly the fields ``reply_message``
+    sets in their ``__dict__``."""
+    sent = Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=1,
+                    reply_to_message_id="", group_id="", created_at=time.time(), ttl=60.0,
+                    message_type="train")
+    probe = Message(RecordDict(), metadata=sent)
+    reply = Message(RecordDict(), reply_to=probe)
+    return (set(reply.__dict__) == {"_metadata", "_content", "_error"}
+            and set(reply.metadata.__dict__) == _METADATA_FIELDS)
+
+
+_REPLY_LAYOUT_KNOWN = _reply_layout_known()
+
+
+def reply_message(content: RecordDict, reply_to: Message) -> Message:
+    """``Message(content, reply_to=reply_to)`` with every field Flower's constructor sets,
+    made without its argument parsing and checks (``content`` must be a RecordDict); the
+    constructor itself when Flower's layout is not the known one.
+
+    Relies on ``Message`` keeping ``_metadata``, ``_content`` and ``_error`` and
+    ``Metadata`` its fields in ``__dict__`` (Flower 1.41), and on a reply's TTL being
+    what is left of its request's when none is given (``_limit_reply_ttl``)."""
+    if not _REPLY_LAYOUT_KNOWN or type(content) is not RecordDict:
+        return Message(content, reply_to=reply_to)
+    sent = reply_to.metadata.__dict__
+    current = time.time()  # flwr.supercore.date.now().timestamp()
+    meta = object.__new__(Metadata)
+    meta.__dict__.update(
+        _run_id=sent["_run_id"], _message_id="", _src_node_id=sent["_dst_node_id"],
+        _dst_node_id=sent["_src_node_id"], _src_task_id=sent["_dst_task_id"],
+        _dst_task_id=sent["_src_task_id"], _reply_to_message_id=sent["_message_id"],
+        _group_id=sent["_group_id"], _created_at=current,
+        _ttl=sent["_created_at"] + sent["_ttl"] - current,
+        _message_type=sent["_message_type"], _delivered_at="")
+    reply = object.__new__(Message)
+    reply.__dict__.update(_metadata=meta, _content=content, _error=None)
+    return reply
+
 
 def set_message_id(message: Message, message_id: str) -> None:
     """Give ``message`` the id ``message.metadata.message_id`` returns, as a SuperLink or
