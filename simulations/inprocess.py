@@ -165,8 +165,12 @@ class InProcessGrid(Grid):
     def _deliver(self, msg_id: str, msg: Message) -> Message:
         context = self._contexts[msg.metadata.dst_node_id]
         try:
-            with intra_op_threads(self._client_threads(msg.content)):
-                reply = self._client_app(msg, context)
+            threads = self._client_threads(msg.content)
+            if threads is None:  # the process's setting, left as it is: no context to
+                reply = self._client_app(msg, context)  # enter (15 us after a training)
+            else:
+                with intra_op_threads(threads):
+                    reply = self._client_app(msg, context)
         except TaskCodeError as exc:  # the user's code: one line, its traceback in the log
             logging.getLogger("fedring").error("client %s: %s", context.node_id, exc,
                                                exc_info=exc)
