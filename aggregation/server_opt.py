@@ -28,14 +28,16 @@ class ServerOptimizer:
             raise ValueError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
 
 
-def _positive(name: str, value: float) -> None:
+def _positive(name: str, value: float, key: str) -> None:
     if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise ValueError(f"{name} must be > 0, got {value}: set aggregation.{key} to a "
+                         "positive number")
 
 
-def _unit(name: str, value: float) -> None:
+def _unit(name: str, value: float, key: str) -> None:
     if not 0 <= value < 1:
-        raise ValueError(f"{name} must be in [0, 1), got {value}")
+        raise ValueError(f"{name} must be in [0, 1), got {value}: set aggregation.{key} "
+                         "in [0, 1)")
 
 
 @dataclass
@@ -45,7 +47,7 @@ class FedAvg(ServerOptimizer):
     lr: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive("server lr", self.lr)
+        _positive("server lr", self.lr, "server_lr")
 
     def step(self, params: np.ndarray, delta: np.ndarray) -> np.ndarray:
         params += np.float32(self.lr) * delta
@@ -54,15 +56,19 @@ class FedAvg(ServerOptimizer):
 
 @dataclass
 class FedAvgM(ServerOptimizer):
-    """m <- momentum * m + delta; x <- x + lr * m."""
+    """m <- momentum * m + delta; x <- x + lr * m.
+
+    ``lr`` > 1 takes a longer step than FedAvg along the same buffer; the buffer (and a
+    centre kept from it, ``clip_center = "momentum"``) stays in units of the aggregate.
+    """
 
     lr: float = 1.0
     momentum: float = 0.9
     m: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        _positive("server lr", self.lr)
-        _unit("momentum", self.momentum)
+        _positive("server lr", self.lr, "server_lr")
+        _unit("momentum", self.momentum, "momentum")
 
     def step(self, params: np.ndarray, delta: np.ndarray) -> np.ndarray:
         if self.m is None:
@@ -89,10 +95,10 @@ class _Adaptive(ServerOptimizer):
     v: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        _positive("server lr", self.lr)
-        _positive("tau", self.tau)
-        _unit("beta1", self.beta1)
-        _unit("beta2", self.beta2)
+        _positive("server lr", self.lr, "server_lr")
+        _positive("tau", self.tau, "tau")
+        _unit("beta1", self.beta1, "beta1")
+        _unit("beta2", self.beta2, "beta2")
 
     def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> None:
         raise NotImplementedError
