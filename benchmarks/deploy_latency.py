@@ -30,15 +30,20 @@ node config), the same model, and one ``flwr run`` per variant, each with its ow
 in this order: ``plain`` (FedAvg), ``semi_honest`` (``secagg.enabled=true``) and
 ``malicious`` (``secagg.security=malicious``: signed advertisements, the derived graph,
 the consistency check). Every secure round must be recorded as completed, in its mode
-(the store's ``secagg_rounds``, whose per-stage server seconds are reported). The figure
+(the store's ``secagg_rounds``, whose per-stage server seconds are reported), and each
+run's CPU seconds of the SuperLink process are read from ``/proc``. The figure
 of merit is each secure variant's median warm round over the plain one's (target: at most
 2). A secure round is four exchanges between the server and the SuperNodes (five with
 the consistency check; a plain round is one), each waiting for the SuperNodes' next pull:
 ``--pull-interval`` sets their idle pull interval (default 0.2 s, as ``fedring deploy
 up``); within 3 s of a reply they pull every 0.05 s (``client.supernode``).
+The SuperLink is ``fedring deploy up``'s (``python -m server.superlink``: Flower's
+middleware as one layer, trivial dependencies on the event loop); ``--flower-superlink``
+runs Flower's ``flower-superlink`` instead, the code before that wrapper.
 
     python benchmarks/deploy_latency.py [--quick] [--rounds R] [--modes fedring,flower]
     python benchmarks/deploy_latency.py --secure [--quick] [--rounds R] [--pull-interval S]
+                                        [--flower-superlink]
 
 ``--quick`` runs only ``fedring`` with 3 rounds (with ``--secure``: each variant).
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
@@ -145,9 +150,17 @@ def check_secure(name: str, row: dict[str, Any]) -> None:
         raise RuntimeError(f"{name}: secure rounds recorded as {got}, expected {expected}")
 
 
-def run_secure(rounds: int, work: Path, pull_interval: float) -> list[dict[str, Any]]:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) that process ``pid`` has used, from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_secure(rounds: int, work: Path, pull_interval: float,
+               flower_superlink: bool = False) -> list[dict[str, Any]]:
     """One TLS + SuperNode-auth deployment (identity keys in node config); plain,
-    semi-honest and malicious runs on it, in that order."""
+    semi-honest and malicious runs on it, in that order, each with the SuperLink
+    process's CPU seconds."""
     from simulations import deploy
 
     work.mkdir(parents=True)
@@ -155,19 +168,23 @@ def run_secure(rounds: int, work: Path, pull_interval: float) -> list[dict[str, 
     t0 = time.perf_counter()
     state = deploy.up(deploy.Options(nodes=NODES, mode="fedring", tls=True, auth=True,
                                      pull_interval=pull_interval, state_dir=work / "state",
-                                     timeout_s=300))
+                                     timeout_s=300, flower_superlink=flower_superlink))
     up_s = round(time.perf_counter() - t0, 2)
+    link = state["processes"][0]["pid"]
     rows = []
     try:
         for name, extra in SECURE_VARIANTS.items():
             log(f"{name}: {NODES} SuperNodes (TLS, node auth), {rounds} rounds ...")
+            cpu = process_cpu_s(link)
             row = flwr_run(state, name, f"{OVERRIDES} {extra}".strip(), rounds, work, env)
+            row["superlink_cpu_s"] = round(process_cpu_s(link) - cpu, 3)
             if name == "plain":
                 if row["secure_rounds"]:
                     raise RuntimeError(f"plain: secure rounds recorded: {row['secure_rounds']}")
             else:
                 check_secure(name, row)
-            log(f"{name}: rounds {row['round_s']} s; warm median {row['warm_round_median_s']} s")
+            log(f"{name}: rounds {row['round_s']} s; warm median {row['warm_round_median_s']} s;"
+                f" SuperLink CPU {row['superlink_cpu_s']} s")
             rows.append({**row, "up_s": up_s})
     finally:
         deploy.down(work / "state")
@@ -205,6 +222,9 @@ def main() -> None:
     parser.add_argument("--pull-interval", type=float, default=0.2,
                         help="--secure: the SuperNodes' idle pull interval (s; as "
                              "`fedring deploy up --pull-interval`, default 0.2)")
+    parser.add_argument("--flower-superlink", action="store_true",
+                        help="--secure: Flower's flower-superlink instead of fedring's "
+                             "wrapper (python -m server.superlink)")
     parser.add_argument("--modes", help=f"comma-separated, from {', '.join(ALL_MODES)} "
                                         "(default all; quick: fedring)")
     args = parser.parse_args()
@@ -221,7 +241,8 @@ def main() -> None:
     info = pool.submit(lambda: (machine(), parameters()))
     with tempfile.TemporaryDirectory(prefix="fedring-deploy-bench-") as tmp:
         if args.secure:
-            results = run_secure(rounds, Path(tmp) / "secure", args.pull_interval)
+            results = run_secure(rounds, Path(tmp) / "secure", args.pull_interval,
+                                 args.flower_superlink)
             modes = []
         for mode in modes:
             log(f"{mode}: {NODES} SuperNodes, {rounds} rounds ...")
@@ -245,7 +266,9 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     if args.secure:  # its target replaces the plain deployment's
-        summary.update(secure_summary(results), pull_interval_s=args.pull_interval)
+        summary.update(secure_summary(results), pull_interval_s=args.pull_interval,
+                       superlink="flower-superlink" if args.flower_superlink
+                       else "server.superlink")
     if args.secure:
         log(f"secure over plain {summary['over_plain']}; target <= "
             f"{TARGET_SECURE_OVER_PLAIN}x: {summary['target']['met']}")

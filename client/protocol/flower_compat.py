@@ -36,11 +36,12 @@ __all__ = [
     "array_from_fields", "client_app_error_code", "copy_record", "empty_run",
     "flwr_home", "load_client_app", "on_supernode_message", "pull_task_input",
     "push_reply", "push_task_output", "read_flower_config", "record_entries",
-    "record_from_entries", "register_node", "reply_message", "run_flower_supernode",
-    "run_simulation",
+    "record_from_entries", "register_node", "replace_superlink_middleware",
+    "reply_message", "run_flower_superlink", "run_flower_supernode", "run_simulation",
     "runtime_client", "set_message_id", "set_sender", "set_task_identity",
     "share_connection", "shorten_grid_object_retries", "shorten_supernode_waits",
-    "start_parent_process_monitor", "task_heartbeat_request", "write_flower_config",
+    "start_parent_process_monitor", "superlink_trivial_dependencies",
+    "task_heartbeat_request", "write_flower_config",
     "write_superlink_connection",
 ]
 
@@ -430,6 +431,61 @@ def run_flower_supernode(argv: list[str], *, colored: bool) -> None:
     update_console_handler(timestamps=True, colored=colored)
     sys.argv = ["flower-supernode", *argv]
     flower_supernode()
+
+
+# The SuperLink's HTTP app ------------------------------------------------------------
+
+def replace_superlink_middleware(transform: Callable[[list[Any]], list[Any]]) -> None:
+    """Make the SuperLink's app use ``transform(middleware)`` for Flower's middleware list
+    (Starlette ``Middleware`` entries, outermost first). Raises RuntimeError at once when
+    this Flower builds its app otherwise.
+
+    Relies on ``flwr.superlink.main.create_app`` taking its middleware from the
+    module-level ``_get_middleware()`` (Flower 1.41)."""
+    import functools
+
+    from flwr.superlink import main
+
+    current = getattr(main, "_get_middleware", None)
+    create = getattr(main, "create_app", None)
+    if current is None or create is None or "_get_middleware" not in create.__code__.co_names:
+        raise RuntimeError("flwr.superlink.main no longer builds its middleware with "
+                           "_get_middleware(); this SuperLink wrapper does not support this "
+                           "Flower version")
+    original = getattr(current, "__wrapped__", current)  # once patched: the original
+
+    @functools.wraps(original)
+    def patched() -> list[Any]:
+        return transform(list(original()))
+
+    main._get_middleware = patched  # type: ignore[attr-defined]
+
+
+def superlink_trivial_dependencies() -> tuple[tuple[Callable[..., Any], ...], tuple[type, ...]]:
+    """The SuperLink's request dependencies that only read the app's state or the request
+    (no I/O, no lock): functions, and classes whose instances are dependencies. Relies
+    on ``get_linkstate``, ``get_runtime_state``, ``get_runtime_handlers``,
+    ``get_protobuf_request``, ``flwr.superlink.routers.fleet.router.get_enable_supernode_auth``
+    and ``VersionDependency`` (Flower 1.41)."""
+    from flwr.supercore.dependencies.runtime import get_runtime_handlers, get_runtime_state
+    from flwr.supercore.dependencies.version import VersionDependency
+    from flwr.supercore.protobuf.translation import get_protobuf_request
+    from flwr.superlink.dependencies.linkstate import get_linkstate
+    from flwr.superlink.routers.fleet.router import get_enable_supernode_auth
+
+    return ((get_linkstate, get_runtime_state, get_runtime_handlers, get_protobuf_request,
+             get_enable_supernode_auth), (VersionDependency,))
+
+
+def run_flower_superlink(argv: list[str]) -> None:
+    """Run the ``flower-superlink`` command with ``argv``. Relies on
+    ``flwr.superlink.cli.flower_superlink.flower_superlink`` (Flower 1.41)."""
+    import sys
+
+    from flwr.superlink.cli.flower_superlink import flower_superlink
+
+    sys.argv = ["flower-superlink", *argv]
+    flower_superlink()
 
 
 # The simulation engine --------------------------------------------------------------

@@ -45,6 +45,7 @@ class Options:
     threads: int | None = None  # torch threads per ClientApp; None: the cores shared out
     timeout_s: float = 120.0
     partitions: int | None = None  # defaults to nodes
+    flower_superlink: bool = False  # Flower's flower-superlink rather than server.superlink
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -78,8 +79,14 @@ def task_signal(runtime_port: int) -> str:
     return f"fedring-tasks-{runtime_port}"
 
 
-def superlink_command(port: int, *, certs: Path | None, auth: bool) -> list[str]:
-    cmd = [_bin("flower-superlink"), "--host", HOST, "--port", str(port),
+def superlink_command(port: int, *, certs: Path | None, auth: bool,
+                      wrapped: bool = True) -> list[str]:
+    """The SuperLink's command: ``python -m server.superlink -- ARGS`` (Flower's
+    ``flower-superlink ARGS`` with less CPU per request), or ``flower-superlink ARGS``
+    itself when not ``wrapped``."""
+    link = ([sys.executable, "-m", "server.superlink", "--"] if wrapped
+            else [_bin("flower-superlink")])
+    cmd = [*link, "--host", HOST, "--port", str(port),
            "--disable-runtime-dependency-installation"]
     if certs is None:
         return [*cmd, "--insecure"]

@@ -139,8 +139,9 @@ def up(opts: Options) -> dict[str, Any]:
                              "auth": opts.auth, "db": opts.db, "processes": [],
                              "flwr_home": os.environ.get("FLWR_HOME", "")}
     try:
-        link = launch_process("superlink", superlink_command(port, certs=certs, auth=opts.auth),
-                              state_dir / "logs", env)
+        wrapped = opts.mode == "fedring" and not opts.flower_superlink
+        link = launch_process("superlink", superlink_command(
+            port, certs=certs, auth=opts.auth, wrapped=wrapped), state_dir / "logs", env)
         state["processes"].append(link)
         write_state(state_dir, state)
         wait_until("the SuperLink", lambda: port_open(port), [link], opts.timeout_s)

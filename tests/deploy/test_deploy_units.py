@@ -107,6 +107,10 @@ def test_commands_stand_for_flower_commands(tmp_path: Path) -> None:
     assert stock[-2:] == ["--isolation", "subprocess"]
     link = deploy.superlink_command(9, certs=tmp_path, auth=True)
     assert "--enable-supernode-auth" in link and "--insecure" not in link
+    assert link[1:4] == ["-m", "server.superlink", "--"]  # Flower's, with less CPU a request
+    stock_link = deploy.superlink_command(9, certs=None, auth=False, wrapped=False)
+    assert Path(stock_link[0]).name == "flower-superlink" and link[4:6] == stock_link[1:3]
+    assert "--insecure" in stock_link
     exe = deploy.executor_command(10, 1234, opts, tmp_path)
     args = executor_parser().parse_args(exe[3:])
     assert args.parent_pid == 1234 and args.root_certificates == str(tmp_path / "ca.pem")
