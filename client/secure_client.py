@@ -538,8 +538,10 @@ class SecureClient:
         if isinstance(carried, ConfigRecord):
             session.inherit(SecAggClient.from_state(carried["state"], **own))
         reply = session.handle(payload)  # refuses a session below policy before training
-        # keys advertised ahead: used now, or discarded by a fresh SETUP
-        context.state[AHEAD] = ConfigRecord({"state": session.carry_over().export_state()})
+        if session.carries_over:  # keys advertised ahead used now: the round is spent
+            context.state[AHEAD] = ConfigRecord({"state": session.carry_over().export_state()})
+        else:  # none, or discarded by a fresh SETUP
+            context.state.pop(AHEAD, None)
         update = local_update()
         distributed, dp_clip = dp_settings(msg.content[SecAggRecord.PROTOCOL])
         sparse = shared_request(msg.content[SecAggRecord.PROTOCOL])

@@ -186,6 +186,12 @@ class SecAggClient:
         self._pending, self._spent = previous._pending, previous._spent
 
     @property
+    def carries_over(self) -> bool:
+        """Whether :meth:`carry_over` holds anything: keys advertised ahead, or a round that
+        used such keys."""
+        return self._pending is not None or self._spent is not None
+
+    @property
     def advertised_ahead(self) -> tuple[int, int] | None:
         """(run, round) of the keys this client advertised ahead and still holds, or None."""
         return None if self._pending is None else self._pending[:2]
