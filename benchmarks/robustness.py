@@ -48,7 +48,9 @@ momentum (``aggregation.client_momentum``). Such a partial run writes no plot un
 Reported: the final central test accuracy per (partitioner, attack, combine) averaged
 over the seeds run, the seeds behind each cell, a reference (outside quick mode): FedAvg
 over the 16 honest clients alone, the attackers' updates dropped; every run with the
-attackers its clients reported, the targets and sanity checks; a heatmap goes to
+attackers its clients reported, the rounds that applied an aggregate and the updates not
+accepted (a warning on stderr when a round applied nothing or an update was refused or
+dropped), the targets and sanity checks; a heatmap goes to
 docs/robustness.png.
 
 Every seed (``--workload default``): the default scenario exactly as a user runs it (5
@@ -288,7 +290,11 @@ def run_one(values: dict[str, Any], key: tuple[str, int, str, str],
                            f"expected {expected}")
     out = {"partitioner": p, "attack": attack, "combine": combine, "seed": seed,
            "accuracy": round(summary["final_accuracy"], 4), "attackers": reported,
-           "wall_s": round(wall, 2)}
+           "wall_s": round(wall, 2), "versions": summary["versions"],
+           "not_accepted": sum(u.fate != "accepted" for u in updates)}
+    if summary["versions"] != config["federation"]["rounds"] or out["not_accepted"]:
+        log(f"  WARNING {key}: {summary['versions']} of {config['federation']['rounds']} "
+            f"rounds applied, {out['not_accepted']} updates not accepted")
     if norms:
         out["median_update_norm"] = round(statistics.median(norms), 4)
     if combine in SECURE_CC:

@@ -459,6 +459,7 @@ def test_robustness_quick() -> None:
     assert len(result["runs"]) == 20
     attackers = list(choose_attackers(0.2, 20, seed=0))
     for run in result["runs"]:  # the clients that reported attacking are the chosen 20%
+        assert run["versions"] == 2 and run["not_accepted"] == 0, run  # both rounds applied
         # the recommended settings run with server momentum, the controls without
         assert run["server_opt"] == ("fedavgm" if run["combine"].startswith("cc_") else
                                      "fedavg")
