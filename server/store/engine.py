@@ -150,3 +150,20 @@ def create_schema(engine: Engine) -> None:
         existing = set(inspect(engine).get_table_names())
         if not set(Base.metadata.tables) <= existing:
             raise
+    check_columns(engine)
+
+
+def check_columns(engine: Engine) -> None:
+    """Raise StoreUnavailable, naming the upgrade command, when a table of an existing
+    store lacks a column of the models (a store made by an older fedring): otherwise the
+    first write to that column would fail mid-run."""
+    found = inspect(engine)
+    for name, table in Base.metadata.tables.items():
+        have = {c["name"] for c in found.get_columns(name)}
+        missing = [c.name for c in table.columns if c.name not in have]
+        if missing:
+            url = _shown(engine.url)
+            raise StoreUnavailable(
+                f"{url}: the store's schema is older than this fedring's (table {name} has "
+                f"no column {', '.join(missing)}); upgrade it with: python -m "
+                f"server.store.migrations upgrade --db '{url}'")

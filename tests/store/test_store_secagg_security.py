@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import inspect, text
 
 from server.secure_outcome import SecureRoundOutcome, with_refusals
-from server.store import Store
+from server.store import Store, StoreUnavailable
 from server.store.migrations import current, engine_for, upgrade
 
 
@@ -62,3 +62,18 @@ def test_an_abort_names_the_clients_refusal() -> None:
         "too few left; 2 clients answered: train.secagg message refused: no identity key")
     assert with_refusals("too few left", {3: "simulated dropout"}) == "too few left"
     assert with_refusals(None, errors) is None
+
+
+def test_a_store_made_by_an_older_fedring_is_refused_at_open_with_the_upgrade_command(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    assert upgrade(url, "0004") == "0004"
+    with pytest.raises(StoreUnavailable, match=r"table secagg_rounds has no column security\); "
+                                               r"upgrade it with: python -m "
+                                               r"server\.store\.migrations upgrade"):
+        Store(url)
+    assert upgrade(url) == "0005"
+    with Store(url) as store:  # upgraded: opens, and the mode is written
+        run = store.create_run(config={}, seed=0)
+        _outcome("malicious").save(store, run, 1)
+        assert [r["security"] for r in store.secagg_rounds(run)] == ["malicious"]
