@@ -26,15 +26,18 @@ every ``federation.poll_s`` (0.05 s) instead of Flower's ``HttpGrid`` 3 s.
 ``--secure``: secure aggregation's cost in a deployment. One ``fedring`` deployment with
 TLS and SuperNode authentication (``fedring deploy up --auth``: ``fedring certs``
 material, each SuperNode's SecAgg+ identity key and the federation's trusted keys in its
-node config), the same model, and one ``flwr run`` per variant, each with its own store,
-in this order: ``plain`` (FedAvg), ``semi_honest`` (``secagg.enabled=true``) and
+node config), the same model, and ``flwr run`` per variant, each with its own store, in
+this order: ``plain`` (FedAvg), ``semi_honest`` (``secagg.enabled=true``) and
 ``malicious`` (``secagg.security=malicious``: signed advertisements, the derived graph,
-the consistency check). Every secure round must be recorded as completed, in its mode
+the consistency check), then reversed, ``--repeats`` times in all (default 2: each
+variant runs once early and once late in the deployment's life; a variant's median is
+over the warm rounds of all its runs). Every secure round must be recorded as completed, in its mode
 (the store's ``secagg_rounds``, whose per-stage server seconds are reported), and each
 run's CPU seconds of the SuperLink process are read from ``/proc``. The figure
 of merit is each secure variant's median warm round over the plain one's (target: at most
-2). A secure round is four exchanges between the server and the SuperNodes (five with
-the consistency check; a plain round is one), each waiting for the SuperNodes' next pull:
+2). A secure round is two exchanges between the server and the SuperNodes once keys are
+advertised ahead (three with the consistency check; round 1 one more; a plain round is
+one), each waiting for the SuperNodes' next pull:
 ``--pull-interval`` sets their idle pull interval (default 0.2 s, as ``fedring deploy
 up``); within 3 s of a reply they pull every 0.05 s (``client.supernode``).
 The SuperLink is ``fedring deploy up``'s (``python -m server.superlink``: Flower's
@@ -43,9 +46,9 @@ runs Flower's ``flower-superlink`` instead, the code before that wrapper.
 
     python benchmarks/deploy_latency.py [--quick] [--rounds R] [--modes fedring,flower]
     python benchmarks/deploy_latency.py --secure [--quick] [--rounds R] [--pull-interval S]
-                                        [--flower-superlink]
+                                        [--flower-superlink] [--repeats N]
 
-``--quick`` runs only ``fedring`` with 3 rounds (with ``--secure``: each variant).
+``--quick`` runs only ``fedring`` with 3 rounds (with ``--secure``: each variant once).
 Human-readable lines go to stderr; the last line of stdout is one JSON object.
 """
 
@@ -156,11 +159,35 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def sitting_order(repeats: int) -> list[str]:
+    """The variants' runs: plain, semi-honest, malicious, then the reverse, and so on, so
+    that each variant runs as often early in the deployment's life as late."""
+    names = list(SECURE_VARIANTS)
+    return [n for rep in range(repeats) for n in (names if rep % 2 == 0 else names[::-1])]
+
+
+def pooled(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A variant's runs as one row: the median and max over every run's warm rounds, the
+    SuperLink's CPU summed, each run kept under ``runs``."""
+    if len(runs) == 1:
+        return runs[0]
+    warm = [w for r in runs for w in r["round_s"][1:]]
+    return {"mode": name, "rounds": runs[0]["rounds"], "runs": runs,
+            "round_s": [w for r in runs for w in r["round_s"]],
+            "first_round_s": [r["first_round_s"] for r in runs],
+            "warm_round_median_s": round(statistics.median(warm), 3) if warm else None,
+            "warm_round_max_s": max(warm) if warm else None,
+            "final_accuracy": runs[-1]["final_accuracy"],
+            "secure_rounds": [s for r in runs for s in r["secure_rounds"]],
+            "superlink_cpu_s": round(sum(r["superlink_cpu_s"] for r in runs), 3),
+            "up_s": runs[0]["up_s"]}
+
+
 def run_secure(rounds: int, work: Path, pull_interval: float,
-               flower_superlink: bool = False) -> list[dict[str, Any]]:
+               flower_superlink: bool = False, repeats: int = 1) -> list[dict[str, Any]]:
     """One TLS + SuperNode-auth deployment (identity keys in node config); plain,
-    semi-honest and malicious runs on it, in that order, each with the SuperLink
-    process's CPU seconds."""
+    semi-honest and malicious runs on it in :func:`sitting_order`, each with the
+    SuperLink process's CPU seconds; one row per variant (:func:`pooled`)."""
     from simulations import deploy
 
     work.mkdir(parents=True)
@@ -171,12 +198,15 @@ def run_secure(rounds: int, work: Path, pull_interval: float,
                                      timeout_s=300, flower_superlink=flower_superlink))
     up_s = round(time.perf_counter() - t0, 2)
     link = state["processes"][0]["pid"]
-    rows = []
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SECURE_VARIANTS}
     try:
-        for name, extra in SECURE_VARIANTS.items():
+        for i, name in enumerate(sitting_order(repeats)):
+            extra = SECURE_VARIANTS[name]
             log(f"{name}: {NODES} SuperNodes (TLS, node auth), {rounds} rounds ...")
             cpu = process_cpu_s(link)
-            row = flwr_run(state, name, f"{OVERRIDES} {extra}".strip(), rounds, work, env)
+            row = flwr_run(state, f"{name}-{i}", f"{OVERRIDES} {extra}".strip(), rounds, work,
+                           env)
+            row["mode"] = name
             row["superlink_cpu_s"] = round(process_cpu_s(link) - cpu, 3)
             if name == "plain":
                 if row["secure_rounds"]:
@@ -185,10 +215,10 @@ def run_secure(rounds: int, work: Path, pull_interval: float,
                 check_secure(name, row)
             log(f"{name}: rounds {row['round_s']} s; warm median {row['warm_round_median_s']} s;"
                 f" SuperLink CPU {row['superlink_cpu_s']} s")
-            rows.append({**row, "up_s": up_s})
+            runs[name].append({**row, "up_s": up_s})
     finally:
         deploy.down(work / "state")
-    return rows
+    return [pooled(name, rows) for name, rows in runs.items()]
 
 
 def secure_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -225,6 +255,10 @@ def main() -> None:
     parser.add_argument("--flower-superlink", action="store_true",
                         help="--secure: Flower's flower-superlink instead of fedring's "
                              "wrapper (python -m server.superlink)")
+    parser.add_argument("--repeats", type=int,
+                        help="--secure: runs of each variant, in the order plain, "
+                             "semi-honest, malicious, then reversed, and so on; the median "
+                             "is over every run's warm rounds (default 2, quick 1)")
     parser.add_argument("--modes", help=f"comma-separated, from {', '.join(ALL_MODES)} "
                                         "(default all; quick: fedring)")
     args = parser.parse_args()
@@ -242,7 +276,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fedring-deploy-bench-") as tmp:
         if args.secure:
             results = run_secure(rounds, Path(tmp) / "secure", args.pull_interval,
-                                 args.flower_superlink)
+                                 args.flower_superlink,
+                                 args.repeats or (1 if args.quick else 2))
             modes = []
         for mode in modes:
             log(f"{mode}: {NODES} SuperNodes, {rounds} rounds ...")

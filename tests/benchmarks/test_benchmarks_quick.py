@@ -297,6 +297,25 @@ def test_deploy_latency_secure_summary_and_checks() -> None:
         bench.check_secure("semi_honest", ok)  # recorded in another mode
 
 
+def test_deploy_latency_alternates_the_secure_variants_and_pools_their_warm_rounds() -> None:
+    bench = _deploy_latency()
+    assert bench.sitting_order(1) == ["plain", "semi_honest", "malicious"]
+    assert bench.sitting_order(3) == ["plain", "semi_honest", "malicious", "malicious",
+                                      "semi_honest", "plain", "plain", "semi_honest",
+                                      "malicious"]
+    run = {"mode": "malicious", "rounds": 3, "first_round_s": 2.0, "final_accuracy": 0.9,
+           "superlink_cpu_s": 1.5, "up_s": 6.0,
+           "secure_rounds": [{"round": r} for r in (1, 2, 3)]}
+    early = {**run, "round_s": [2.0, 1.0, 1.2], "warm_round_median_s": 1.1}
+    late = {**run, "round_s": [5.0, 0.4, 0.5], "warm_round_median_s": 0.45}
+    assert bench.pooled("malicious", [early]) is early
+    row = bench.pooled("malicious", [early, late])
+    assert row["warm_round_median_s"] == 0.75  # of 1.0, 1.2, 0.4, 0.5: first rounds left out
+    assert row["warm_round_max_s"] == 1.2
+    assert row["superlink_cpu_s"] == 3.0 and row["runs"] == [early, late]
+    assert len(row["secure_rounds"]) == 6
+
+
 def test_deploy_latency_refuses_secure_with_modes() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deploy_latency.py"),
                           "--secure", "--modes", "flower"], cwd=ROOT, capture_output=True,
