@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from client.held_fab import HeldFabHeader, held_app
 from client.protocol import flower_compat as flower
 from client.task_signal import TaskSignal
 
@@ -75,9 +76,10 @@ class WarmExecutor:
         self._app_dir: Path | None = None
 
     def _client(self, component: str, token: str | None = None) -> Any:
+        held = (HeldFabHeader(self._fab_hash),) if token and self._fab_hash else ()
         return flower.runtime_client(self.address, insecure=self.insecure,
                                      root_certificates=self.certificates,
-                                     component=component, token=token)
+                                     component=component, token=token, interceptors=held)
 
     def serve_forever(self) -> None:
         """Claim and run tasks until interrupted; idle between polls (or until woken)."""
@@ -145,9 +147,10 @@ class WarmExecutor:
             log.info("task done in %.3f s", time.perf_counter() - t0)
 
     def _load(self, run: Any, fab: Any) -> Any:
-        """The run's ClientApp, loaded once per FAB (a new FAB drops the old app's modules)."""
-        if self._app is not None and fab.hash_str == self._fab_hash:
-            return self._app
+        """The run's ClientApp, loaded once per FAB (a new FAB drops the old app's modules);
+        a FAB sent without its content must be the one held (``client.held_fab``)."""
+        if (app := held_app(self._app, self._fab_hash, fab)) is not None:
+            return app
         self._unload()
         self._app, app_dir = flower.load_client_app(run, fab)
         self._fab_hash, self._app_dir = fab.hash_str, app_dir

@@ -13,7 +13,12 @@ local state only); a message object not yet on the SuperLink is retried after 5 
 intervals instead of 1 s, at most every ``OBJECT_RETRY_CAP_S``. With ``--task-signal
 NAME`` the node wakes its warm executor (``client.executor --task-signal NAME``) once a
 message and all its objects are stored, so the executor need not poll for tasks
-(``client.task_signal``). Every other argument goes to ``flower-supernode`` unchanged::
+(``client.task_signal``). The node's Runtime API, where its executor connects, runs
+Flower's middleware as one layer and its trivial dependencies on the event loop, as the
+SuperLink wrapper does (``client.protocol.http_app``; ``--stacked-middleware`` and
+``--threaded-dependencies`` keep Flower's way), and leaves a task's FAB out of its input
+when the executor already holds it (``client.held_fab``). Every other argument goes to
+``flower-supernode`` unchanged::
 
     python -m client.supernode --pull-interval 0.2 -- --superlink 10.0.0.1:9093 ...
 """
@@ -21,17 +26,30 @@ message and all its objects are stored, so the executor need not poll for tasks
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from client.held_fab import SkipHeldFab, note_held_fab
 from client.protocol.flower_compat import (
     FLOWER_IDLE_SLEEP_S,
     FLOWER_REPLY_SLEEP_S,
     OBJECT_RETRY_CAP_S,
+    customize_supernode_app,
     on_supernode_message,
     run_flower_supernode,
     shorten_supernode_waits,
+)
+from client.protocol.http_app import (
+    check_trivial_dependencies,
+    is_trivial_dependency,
+    merge_middleware,
+    run_dependencies_inline,
 )
 from client.task_signal import notifier
 
@@ -82,6 +100,15 @@ def shorten_waits(pull_s: float, reply_s: float, *, busy_pull_s: float | None = 
                             backoff_cap=max(initial, OBJECT_RETRY_CAP_S))
 
 
+def customize_runtime_api(app: Any, *, stacked: bool = False) -> None:
+    """The node's Runtime API app: Flower's middleware run as one layer (unless
+    ``stacked``), with ``note_held_fab`` innermost, and a task's FAB left out of its input
+    when the executor holds it (``client.held_fab``)."""
+    layers = [*app.user_middleware, Middleware(BaseHTTPMiddleware, dispatch=note_held_fab)]
+    app.user_middleware[:] = layers if stacked else merge_middleware(layers)
+    app.state.runtime_handlers = SkipHeldFab(app.state.runtime_handlers)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m client.supernode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,6 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task-signal", metavar="NAME",
                         help="wake the executor listening on this socket name once a "
                              "message is stored (client.executor --task-signal)")
+    parser.add_argument("--stacked-middleware", action="store_true",
+                        help="run the Runtime API's middleware layers stacked, as Flower does")
+    parser.add_argument("--threaded-dependencies", action="store_true",
+                        help="run every synchronous dependency in a worker thread, as "
+                             "FastAPI does")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if min(args.pull_interval, args.reply_interval, args.busy_pull_interval) <= 0:
         parser.error("--pull-interval, --busy-pull-interval and --reply-interval must be > 0")
@@ -113,6 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     shorten_waits(args.pull_interval, args.reply_interval,
                   busy_pull_s=args.busy_pull_interval, busy_window_s=args.busy_window,
                   busy_growth=args.busy_pull_growth)
+    customize_supernode_app(functools.partial(customize_runtime_api,
+                                              stacked=args.stacked_middleware))
+    if not args.threaded_dependencies:
+        check_trivial_dependencies()  # fails now, not at the first request
+        run_dependencies_inline(is_trivial_dependency)
     if args.task_signal:
         on_supernode_message(notifier(args.task_signal))
     run_flower_supernode(rest[1:] if rest[:1] == ["--"] else rest,

@@ -31,17 +31,45 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 __all__ = [
-    "FLOWER_IDLE_SLEEP_S", "FLOWER_REPLY_SLEEP_S", "SUPERLINK_NODE_ID",
-    "ClientAppCallable", "ErrorCode", "Run", "SubStatus", "acquire_task_request",
-    "array_from_fields", "client_app_error_code", "copy_record", "empty_run",
-    "flwr_home", "load_client_app", "on_supernode_message", "pull_task_input",
-    "push_reply", "push_task_output", "read_flower_config", "record_entries",
-    "record_from_entries", "register_node", "replace_superlink_middleware",
-    "reply_message", "run_flower_superlink", "run_flower_supernode", "run_simulation",
-    "runtime_client", "set_message_id", "set_sender", "set_task_identity",
-    "share_connection", "shorten_grid_object_retries", "shorten_supernode_waits",
-    "start_parent_process_monitor", "superlink_trivial_dependencies",
-    "task_heartbeat_request", "write_flower_config",
+    "FLOWER_IDLE_SLEEP_S",
+    "FLOWER_REPLY_SLEEP_S",
+    "SUPERLINK_NODE_ID",
+    "ClientAppCallable",
+    "ErrorCode",
+    "Run",
+    "SubStatus",
+    "acquire_task_request",
+    "array_from_fields",
+    "client_app_error_code",
+    "copy_record",
+    "customize_supernode_app",
+    "empty_run",
+    "flwr_home",
+    "load_client_app",
+    "on_supernode_message",
+    "pull_task_input",
+    "push_reply",
+    "push_task_output",
+    "read_flower_config",
+    "record_entries",
+    "record_from_entries",
+    "register_node",
+    "replace_superlink_middleware",
+    "reply_message",
+    "run_flower_superlink",
+    "run_flower_supernode",
+    "run_simulation",
+    "runtime_client",
+    "set_message_id",
+    "set_sender",
+    "set_task_identity",
+    "share_connection",
+    "shorten_grid_object_retries",
+    "shorten_supernode_waits",
+    "start_parent_process_monitor",
+    "task_heartbeat_request",
+    "trivial_http_dependencies",
+    "write_flower_config",
     "write_superlink_connection",
 ]
 
@@ -223,10 +251,12 @@ def acquire_task_request() -> Any:
 
 
 def runtime_client(address: str, *, insecure: bool, root_certificates: bytes | None,
-                   component: str, token: str | None = None) -> Any:
+                   component: str, token: str | None = None,
+                   interceptors: tuple[Any, ...] = ()) -> Any:
     """A Runtime API client as ``flwr-clientapp`` makes one, naming ``component`` (and with
-    a task ``token``). Relies on ``flwr.supercore.runtime.RuntimeHttpClient``,
-    ``flwr.supercore.interceptors`` and ``flwr.supercore.retry`` (Flower 1.41)."""
+    a task ``token``), with ``interceptors`` after Flower's. Relies on
+    ``flwr.supercore.runtime.RuntimeHttpClient``, ``flwr.supercore.interceptors`` and
+    ``flwr.supercore.retry`` (Flower 1.41)."""
     from flwr.supercore.interceptors import (
         RuntimeTokenHttpInterceptor,
         RuntimeVersionHttpInterceptor,
@@ -234,12 +264,12 @@ def runtime_client(address: str, *, insecure: bool, root_certificates: bytes | N
     from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
 
-    interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name=component)]
+    chain: list[Any] = [RuntimeVersionHttpInterceptor(component_name=component)]
     if token is not None:
-        interceptors.append(RuntimeTokenHttpInterceptor(token))
+        chain.append(RuntimeTokenHttpInterceptor(token))
     return RuntimeHttpClient.from_server_address(
         server_address=address, insecure=insecure, root_certificates=root_certificates,
-        interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
+        interceptors=[*chain, *interceptors], retry_invoker=make_simple_http_retry_invoker())
 
 
 def share_connection(client: Any, owner: Any) -> None:
@@ -433,6 +463,36 @@ def run_flower_supernode(argv: list[str], *, colored: bool) -> None:
     flower_supernode()
 
 
+def customize_supernode_app(customize: Callable[[Any], None]) -> None:
+    """Pass every Runtime API app the SuperNode creates (where its ClientApp executor
+    connects) through ``customize(app)`` before it serves. Raises RuntimeError at once
+    when this Flower starts that API otherwise.
+
+    Relies on ``flwr.supernode.cli.flower_supernode._start_supernode_http_api`` importing
+    ``create_app`` from ``flwr.supernode.main`` when it starts the API (Flower 1.41)."""
+    import functools
+    import importlib
+
+    from flwr.supernode import main
+
+    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")  # not the function
+    create = getattr(main, "create_app", None)
+    start = getattr(cli, "_start_supernode_http_api", None)
+    if create is None or start is None or "create_app" not in start.__code__.co_names:
+        raise RuntimeError("flwr.supernode no longer starts its Runtime API with "
+                           "flwr.supernode.main.create_app; fedring's SuperNode wrapper does "
+                           "not support this Flower version")
+    original = getattr(create, "__wrapped__", create)  # once patched: the original
+
+    @functools.wraps(original)
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        app = original(*args, **kwargs)
+        customize(app)
+        return app
+
+    main.create_app = patched  # type: ignore[attr-defined]
+
+
 # The SuperLink's HTTP app ------------------------------------------------------------
 
 def replace_superlink_middleware(transform: Callable[[list[Any]], list[Any]]) -> None:
@@ -461,8 +521,9 @@ def replace_superlink_middleware(transform: Callable[[list[Any]], list[Any]]) ->
     main._get_middleware = patched  # type: ignore[attr-defined]
 
 
-def superlink_trivial_dependencies() -> tuple[tuple[Callable[..., Any], ...], tuple[type, ...]]:
-    """The SuperLink's request dependencies that only read the app's state or the request
+def trivial_http_dependencies() -> tuple[tuple[Callable[..., Any], ...], tuple[type, ...]]:
+    """The request dependencies of Flower's HTTP apps (the SuperLink's Fleet, Runtime and
+    Control routes; the SuperNode's Runtime routes) that only read the app's state or the request
     (no I/O, no lock): functions, and classes whose instances are dependencies. Relies
     on ``get_linkstate``, ``get_runtime_state``, ``get_runtime_handlers``,
     ``get_protobuf_request``, ``flwr.superlink.routers.fleet.router.get_enable_supernode_auth``

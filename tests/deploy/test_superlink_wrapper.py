@@ -31,11 +31,11 @@ from starlette.middleware import Middleware
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.testclient import TestClient
 
+from client.protocol import http_app
 from client.protocol.flower_compat import (
     replace_superlink_middleware,
-    superlink_trivial_dependencies,
+    trivial_http_dependencies,
 )
-from server import superlink
 
 PROTOBUF = {"content-type": "application/protobuf"}
 
@@ -49,7 +49,7 @@ def flower_middleware(monkeypatch) -> Iterator[None]:
 
 def _client(merged: bool) -> TestClient:
     if merged:
-        replace_superlink_middleware(superlink.merge_middleware)
+        replace_superlink_middleware(http_app.merge_middleware)
     return TestClient(superlink_main.create_app(), raise_server_exceptions=False)
 
 
@@ -113,32 +113,32 @@ def test_merged_middleware_answers_as_flowers_stacked_layers(flower_middleware) 
 
 def test_the_app_runs_one_middleware_layer_holding_flowers_in_order(flower_middleware) -> None:
     flower = superlink_main._get_middleware()
-    replace_superlink_middleware(superlink.merge_middleware)
+    replace_superlink_middleware(http_app.merge_middleware)
     [layer] = superlink_main.create_app().user_middleware
-    assert layer.cls is superlink.MergedHTTPMiddleware
+    assert layer.cls is http_app.MergedHTTPMiddleware
     assert [m.cls for m in layer.kwargs["layers"]] == [m.cls for m in flower]
-    replace_superlink_middleware(superlink.merge_middleware)  # twice: still one layer
+    replace_superlink_middleware(http_app.merge_middleware)  # twice: still one layer
     assert len(superlink_main.create_app().user_middleware) == 1
 
 
 def test_merging_refuses_a_layer_that_is_not_a_plain_base_http_middleware() -> None:
     with pytest.raises(RuntimeError, match="not a plain BaseHTTPMiddleware"):
-        superlink.merge_middleware([Middleware(GZipMiddleware)])
+        http_app.merge_middleware([Middleware(GZipMiddleware)])
 
 
 def test_replacing_the_middleware_fails_without_flowers_get_middleware(monkeypatch) -> None:
     monkeypatch.delattr(superlink_main, "_get_middleware")
     with pytest.raises(RuntimeError, match="no longer builds its middleware"):
-        replace_superlink_middleware(superlink.merge_middleware)
+        replace_superlink_middleware(http_app.merge_middleware)
 
 
 def test_trivial_dependencies_are_flowers_and_are_recognised() -> None:
-    functions, classes = superlink_trivial_dependencies()
+    functions, classes = trivial_http_dependencies()
     assert len(functions) == 5 and all(callable(f) for f in functions)
-    assert all(superlink.is_trivial_dependency(f) for f in functions)
-    assert not superlink.is_trivial_dependency(len)
+    assert all(http_app.is_trivial_dependency(f) for f in functions)
+    assert not http_app.is_trivial_dependency(len)
     [version] = classes
-    assert superlink.is_trivial_dependency(object.__new__(version))
+    assert http_app.is_trivial_dependency(object.__new__(version))
 
 
 def test_inline_dependencies_run_on_the_loop_and_the_others_in_threads(monkeypatch) -> None:
@@ -160,8 +160,8 @@ def test_inline_dependencies_run_on_the_loop_and_the_others_in_threads(monkeypat
     def endpoint() -> int:
         return 1
 
-    superlink.run_dependencies_inline(lambda f: f is inline)
-    superlink.run_dependencies_inline(lambda f: f is inline)  # patched twice: one wrapper
+    http_app.run_dependencies_inline(lambda f: f is inline)
+    http_app.run_dependencies_inline(lambda f: f is inline)  # patched twice: one wrapper
     assert TestClient(app).get("/").json() == 1
     assert seen["inline"] == seen["loop"] != seen["threaded"]
 
@@ -169,4 +169,4 @@ def test_inline_dependencies_run_on_the_loop_and_the_others_in_threads(monkeypat
 def test_inlining_fails_without_fastapis_threadpool_call(monkeypatch) -> None:
     monkeypatch.delattr(fastapi_utils, "run_in_threadpool")
     with pytest.raises(RuntimeError, match="no longer runs dependencies"):
-        superlink.run_dependencies_inline(lambda f: False)
+        http_app.run_dependencies_inline(lambda f: False)
