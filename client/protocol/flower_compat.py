@@ -406,21 +406,34 @@ def on_supernode_message(callback: Callable[[], None]) -> None:
     Relies on ``flwr.supernode.start_client_internal`` calling its module-level
     ``_pull_and_store_message``, which returns a run id once it stored a message (with
     its task and objects) and None when it stored none (Flower 1.41)."""
-    import functools
-
     from flwr.supernode import start_client_internal as loop
 
-    pull = getattr(loop._pull_and_store_message, "__wrapped__",  # once patched: the original
-                   loop._pull_and_store_message)
+    def pull_and_call(pull: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            run_id = pull(*args, **kwargs)
+            if run_id is not None:
+                callback()
+            return run_id
+        return call
 
-    @functools.wraps(pull)
-    def pull_and_call(*args: Any, **kwargs: Any) -> Any:
-        run_id = pull(*args, **kwargs)
-        if run_id is not None:
-            callback()
-        return run_id
+    _patch_once(loop, "_pull_and_store_message", pull_and_call)
 
-    loop._pull_and_store_message = pull_and_call  # type: ignore[attr-defined]
+
+def _calls(module: Any, function: str, name: str) -> bool:
+    """Whether ``module.function`` exists and its code uses ``name``."""
+    code = getattr(getattr(module, function, None), "__code__", None)
+    return code is not None and name in code.co_names
+
+
+def _patch_once(module: Any, name: str,
+                make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``module.name`` by ``make(original)``, where ``original`` is Flower's
+    function even when an earlier call patched it already (patching twice wraps once)."""
+    import functools
+
+    current = getattr(module, name)
+    original = getattr(current, "__wrapped__", current)
+    setattr(module, name, functools.wraps(original)(make(original)))
 
 
 #: The longest wait between two pulls of a message object not yet on the SuperLink, on
@@ -470,27 +483,25 @@ def customize_supernode_app(customize: Callable[[Any], None]) -> None:
 
     Relies on ``flwr.supernode.cli.flower_supernode._start_supernode_http_api`` importing
     ``create_app`` from ``flwr.supernode.main`` when it starts the API (Flower 1.41)."""
-    import functools
     import importlib
 
     from flwr.supernode import main
 
     cli = importlib.import_module("flwr.supernode.cli.flower_supernode")  # not the function
-    create = getattr(main, "create_app", None)
-    start = getattr(cli, "_start_supernode_http_api", None)
-    if create is None or start is None or "create_app" not in start.__code__.co_names:
+    if not hasattr(main, "create_app") or not _calls(cli, "_start_supernode_http_api",
+                                                     "create_app"):
         raise RuntimeError("flwr.supernode no longer starts its Runtime API with "
                            "flwr.supernode.main.create_app; fedring's SuperNode wrapper does "
                            "not support this Flower version")
-    original = getattr(create, "__wrapped__", create)  # once patched: the original
 
-    @functools.wraps(original)
-    def patched(*args: Any, **kwargs: Any) -> Any:
-        app = original(*args, **kwargs)
-        customize(app)
-        return app
+    def customized(create: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            app = create(*args, **kwargs)
+            customize(app)
+            return app
+        return call
 
-    main.create_app = patched  # type: ignore[attr-defined]
+    _patch_once(main, "create_app", customized)
 
 
 # The SuperLink's HTTP app ------------------------------------------------------------
@@ -502,23 +513,15 @@ def replace_superlink_middleware(transform: Callable[[list[Any]], list[Any]]) ->
 
     Relies on ``flwr.superlink.main.create_app`` taking its middleware from the
     module-level ``_get_middleware()`` (Flower 1.41)."""
-    import functools
-
     from flwr.superlink import main
 
-    current = getattr(main, "_get_middleware", None)
-    create = getattr(main, "create_app", None)
-    if current is None or create is None or "_get_middleware" not in create.__code__.co_names:
+    if not hasattr(main, "_get_middleware") or not _calls(main, "create_app",
+                                                          "_get_middleware"):
         raise RuntimeError("flwr.superlink.main no longer builds its middleware with "
                            "_get_middleware(); this SuperLink wrapper does not support this "
                            "Flower version")
-    original = getattr(current, "__wrapped__", current)  # once patched: the original
-
-    @functools.wraps(original)
-    def patched() -> list[Any]:
-        return transform(list(original()))
-
-    main._get_middleware = patched  # type: ignore[attr-defined]
+    _patch_once(main, "_get_middleware",
+                lambda original: lambda: transform(list(original())))
 
 
 def trivial_http_dependencies() -> tuple[tuple[Callable[..., Any], ...], tuple[type, ...]]:
