@@ -2,9 +2,9 @@
 
 Every round driver talks to Flower's Grid the same way: push the messages, then pull the
 replies of the messages still pending, in push order, handing each over as it is pulled,
-and sleep ``poll`` seconds between pulls. The in-process engine runs a client only when
-its reply is pulled, in the order of the ids asked for, so that order is the order the
-clients run in; its first pull answers every id, so it never sleeps.
+and sleep ``poll`` seconds after a pull that brought none. The in-process engine runs a
+client only when its reply is pulled, in the order of the ids asked for, so that order is
+the order the clients run in; its first pull answers every id, so it never sleeps.
 
 In a deployment the SuperLink lists a reply before all its objects are there; the Grid's
 retry of such an object starts at ``poll`` seconds (Flower: 1 s, doubling), so a pull
@@ -37,7 +37,10 @@ def collect(grid: Grid, ids: Iterable[str], *, timeout: float, poll: float,
     """Pull the replies to ``ids`` and hand each to ``on_reply(message id, reply)`` as it is
     pulled; return the ids still without a reply, in the order given.
 
-    Each pull asks for the pending ids in the order given. It stops once no id is pending,
+    Each pull asks for the pending ids in the order given; a pull that settled an id is
+    followed by the next at once (the others' replies arrived while this one's objects
+    were pulled, or soon), one that settled none by a sleep of ``poll`` seconds. It stops
+    once no id is pending,
     ``timeout`` seconds have passed, or ``stop(pending ids)`` holds (checked after each
     pull). A reply to no pending id (a duplicate, a replay, a reply to another round) goes
     to ``on_stray`` when given, else it is ignored.
@@ -47,17 +50,20 @@ def collect(grid: Grid, ids: Iterable[str], *, timeout: float, poll: float,
     shorten_grid_object_retries(poll, max(poll, OBJECT_RETRY_CAP_S))
     deadline = time.monotonic() + timeout
     while pending:
+        settled = False
         for reply in grid.pull_messages([i for i in order if i in pending]):
             msg_id = reply.metadata.reply_to_message_id
             if msg_id in pending:
                 pending.discard(msg_id)
                 on_reply(msg_id, reply)
+                settled = True
             elif on_stray is not None:
                 on_stray(reply)
             del reply  # not held while the next one is pulled (in-process: made)
         if not pending or time.monotonic() >= deadline or (stop is not None and stop(pending)):
             break
-        time.sleep(poll)
+        if not settled:  # replies come together: after one, pull again at once
+            time.sleep(poll)
     return [i for i in order if i in pending]
 
 

@@ -97,16 +97,17 @@ def test_replies_are_pulled_in_the_order_given_and_handed_over_as_pulled(clock):
     assert grid.pulls == [list(sent)] and clock.sleeps == []  # all came: no wait
 
 
-def test_later_pulls_ask_only_for_the_pending_ids_in_order_and_sleep_poll(clock):
-    grid = ScriptedGrid(4, arrives={1: 3, 2: 2, 4: 3})
+def test_later_pulls_ask_only_for_the_pending_ids_and_sleep_only_after_an_empty_one(clock):
+    grid = ScriptedGrid(4, arrives={1: 4, 2: 2, 4: 4})
     sent = send(grid, [1, 2, 3, 4])
     ids = list(sent)
     taken: list[int] = []
     left = collect(grid, ids, timeout=10.0, poll=0.5,
                    on_reply=lambda msg_id, reply: taken.append(sent[msg_id]))
     assert left == [] and taken == [3, 2, 1, 4]
-    assert grid.pulls == [ids, [ids[0], ids[1], ids[3]], [ids[0], ids[3]]]
-    assert clock.sleeps == [0.5, 0.5]
+    pending = [ids[0], ids[3]]
+    assert grid.pulls == [ids, [ids[0], ids[1], ids[3]], pending, pending]
+    assert clock.sleeps == [0.5]  # pulls 1 and 2 each settled one: the next came at once
 
 
 def test_the_deadline_ends_the_wait_and_the_silent_ids_come_back_in_order(clock):
@@ -117,14 +118,15 @@ def test_the_deadline_ends_the_wait_and_the_silent_ids_come_back_in_order(clock)
     left = collect(grid, ids, timeout=1.0, poll=0.25,
                    on_reply=lambda msg_id, reply: taken.append(sent[msg_id]))
     assert left == [ids[0], ids[2]] and taken == [1, 3]
-    assert len(grid.pulls) == 5 and clock.sleeps == [0.25] * 4  # pulls at 0, .25, ..., 1.0
+    # two pulls that settled one each, then empty pulls at 0, .25, ..., 1.0
+    assert len(grid.pulls) == 7 and clock.sleeps == [0.25] * 4
     assert collect(grid, ids[:1], timeout=0.0, poll=0.25,
                    on_reply=lambda *_: None) == ids[:1]  # no time: one pull, no sleep
-    assert len(grid.pulls) == 6 and len(clock.sleeps) == 4
+    assert len(grid.pulls) == 8 and len(clock.sleeps) == 4
 
 
 def test_the_callers_stop_condition_ends_the_wait_after_a_pull(clock):
-    grid = ScriptedGrid(3, arrives={1: 2, 3: NEVER})
+    grid = ScriptedGrid(3, arrives={1: 3, 3: NEVER})
     sent = send(grid, [1, 2, 3])
     ids = list(sent)
     seen: list[set[str]] = []
@@ -136,7 +138,7 @@ def test_the_callers_stop_condition_ends_the_wait_after_a_pull(clock):
     left = collect(grid, ids, timeout=100.0, poll=1.0, on_reply=lambda *_: None,
                    stop=only_node_3_left)
     assert left == [ids[2]]
-    assert seen == [{ids[0], ids[2]}, {ids[2]}] and clock.sleeps == [1.0]
+    assert seen == [{ids[0], ids[2]}, {ids[0], ids[2]}, {ids[2]}] and clock.sleeps == [1.0]
 
 
 @pytest.mark.parametrize("with_on_stray", [True, False])
@@ -156,4 +158,4 @@ def test_a_reply_to_no_pending_message_is_a_stray_and_settles_nothing(clock, wit
     assert first.metadata.reply_to_message_id == ids[0]
     # pull 2: the other round's reply, then node 1's reply again (a duplicate)
     assert strays == ([other, first] if with_on_stray else [])
-    assert len(grid.pulls) == 2 and clock.sleeps == [1.0]
+    assert len(grid.pulls) == 2 and clock.sleeps == []  # pull 1 settled node 1's: no wait
