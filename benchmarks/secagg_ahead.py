@@ -4,7 +4,8 @@ Both run ``server.secagg_session`` with ``client.secure_client`` on fedring's in
 engine (synthetic clients of ``benchmarks/secagg.py``: a fixed float32 delta of d
 coordinates), at k = 3, in each security mode. "usual": ``secagg.advertise_ahead =
 false`` (3 exchanges semi-honest, 4 malicious); "ahead": the round after one that
-advertised the cohort's keys (2 and 3). The two alternate within each repetition, so
+advertised the cohort's keys (2 and 2: the malicious mode pre-signs the survivor set,
+``secagg.presign``, the default; 2 and 3 without it). The two alternate within each repetition, so
 they see the same load. In process an exchange costs no transport, so this measures what
 the flow costs in computation (the next round's keys made during this one); a
 deployment saves an exchange's round trip besides. Prints one JSON line: per mode and

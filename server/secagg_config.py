@@ -40,7 +40,13 @@ delta, and the server learns only the sum over the round's survivors (see
 - ``advertise_ahead`` (default true): in sync rounds each client's last reply also
   advertises its keys for the next round, and a round whose whole cohort did so sends
   SETUP with the public keys (one exchange fewer, ``privacy.secagg.ahead``); false gives
-  the flow without it.
+  the flow without it;
+- ``presign`` (default true; only with ``security = "malicious"`` and ``advertise_ahead``):
+  in a round whose keys came ahead each client signs the survivor set (the whole
+  advertisement list) with its masked input, so the consistency check's exchange is
+  skipped (two exchanges, as semi-honest); a client that drops after the training
+  instruction then costs that round (it aborts, nothing released). False gives the flow
+  without it.
 
 The settings can only be as strict as ``privacy.secagg.policy`` or stricter: weaker
 ones fail at start naming the key and its minimum, and every client checks the session
@@ -94,6 +100,7 @@ class SecAggScenarioConfig:
     corrupt_fraction: float = DEFAULT_CORRUPT_FRACTION
     security: str = "semi_honest"
     advertise_ahead: bool = True
+    presign: bool = True
 
     def __post_init__(self) -> None:
         k, t = self.neighbors, self.threshold
@@ -168,6 +175,11 @@ class SecAggScenarioConfig:
             raise ValueError(f"secagg.advertise_ahead must be true or false (true: each "
                              f"round's keys advertised with the previous round's last reply, "
                              f"one exchange fewer), got {self.advertise_ahead!r}")
+        if not isinstance(self.presign, bool):
+            raise ValueError(f"secagg.presign must be true or false (true: in a malicious "
+                             f"round with keys advertised ahead, each client signs the "
+                             f"survivor set with its masked input, one exchange fewer), "
+                             f"got {self.presign!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SecAggScenarioConfig:

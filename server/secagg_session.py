@@ -21,10 +21,12 @@ rounds with ``secagg.advertise_ahead``): each client's UNMASK_RESPONSE also carr
 key advertisement for the next round. When every node of the next round's cohort has one
 for that round, the training instruction carries SETUP and PUBLIC_KEYS at once
 (SETUP_AND_KEYS) and the client answers it, once trained, with SHARES_AND_INPUT: two
-exchanges, three in the malicious mode. Otherwise the round runs the flow above. The
-first exchange's seconds are the training stage's (``advertise_keys``), the share-keys
-work included when it rides on it; its non-responders are then dropouts of stage
-``share_keys``.
+exchanges, three in the malicious mode (two with ``secagg.presign``: the client signs the
+survivor set, the whole advertisement list, with its masked input, PRESIGNED_INPUT, and
+the consistency check is skipped; a listed client that drops aborts the round).
+Otherwise the round runs the flow above. The first exchange's seconds are the training
+stage's (``advertise_keys``), the share-keys work included when it rides on it; its
+non-responders are then dropouts of stage ``share_keys``.
 
 A node that does not answer in time, or answers with an error, is a dropout of that
 stage; a client that refuses a session below its policy (``privacy.secagg.policy``)
@@ -97,7 +99,7 @@ from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggServer, SessionParams, Stage, Status, dequantize_weighted
 from privacy.secagg.ahead import PendingAdverts
 from privacy.secagg.eval_words import EvalWords
-from privacy.secagg.params import CLASSIC, MERGED
+from privacy.secagg.params import CLASSIC, MALICIOUS, MERGED
 from privacy.secagg.quantize import LOSS_RANGE, StatWords, max_level
 from server.compression import RoundPattern
 from server.grid_io import collect, push
@@ -281,7 +283,10 @@ class SecAggSession:
                                                    round_id=rnd, security=settings.security,
                                                    flow=MERGED if masked_input is None
                                                    else CLASSIC, keys_ahead=given is not None,
-                                                   advertise_ahead=ahead),
+                                                   advertise_ahead=ahead,
+                                                   presign=given is not None
+                                                   and settings.presign
+                                                   and settings.security == MALICIOUS),
                               settings.policy, None, given)
         exchanges = [0]  # the session's exchanges so far
         malicious = server.config.malicious
@@ -339,9 +344,12 @@ class SecAggSession:
             named = Stage.ADVERTISE_KEYS if make is first else stage  # the training stage
             outbox, make = server.advance(), later
             outcome.stage_seconds[stage_name(named)] = time.perf_counter() - started
-            reveal = Stage.CONSISTENCY_CHECK if malicious else Stage.UNMASKING
+            # the stage after masking: the consistency check, or the unmask request (the
+            # semi-honest mode, or a pre-signed round)
+            reveal = (Stage.CONSISTENCY_CHECK, Stage.UNMASKING) if malicious \
+                else (Stage.UNMASKING,)
             masked = stage in (Stage.SHARE_KEYS, Stage.MASKED_INPUT)  # merged flow: SHARE_KEYS
-            if plan is not None and server.stage is reveal and masked \
+            if plan is not None and server.stage in reveal and masked \
                     and server.status is Status.RUNNING:
                 assert dp is not None
                 stop = _over_budget(dp, plan, len(server.survivors), len(participants))

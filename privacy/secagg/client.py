@@ -43,6 +43,14 @@ the next round, whose secrets the client keeps (:meth:`SecAggClient.carry_over` 
 to that round's session, :meth:`SecAggClient.inherit` takes them). A SETUP with
 ``keys_ahead`` (SETUP_AND_KEYS) uses them, for that round only and once; a client that
 used them refuses a fresh SETUP for the same round, and a fresh SETUP discards them.
+
+A pre-signed survivor set (``SessionParams.presign``: malicious mode, keys advertised ahead):
+the client answers SETUP_AND_KEYS with PRESIGNED_INPUT, its SHARES_AND_INPUT with its
+consistency signature on S = every client of the advertisement list, and records S as the
+one set it signed this round, as if CONSISTENCY_CHECK had shown it S. It then refuses any
+CONSISTENCY_CHECK (and SHARES_AND_CHECK) and FORWARDED_SHARES in that round (it masks
+once, and signs one set); its shares come with the unmask request (SHARES_AND_UNMASK),
+answered only for a quorum of signatures on S, as always.
 """
 
 from __future__ import annotations
@@ -303,10 +311,17 @@ class SecAggClient:
         self._peers = derived
         shares = msg.ShareKeys(tuple(out))
         reply: bytes | memoryview
+        presigned: tuple[int, ...] = ()
         if cfg.merged and self._input is not None:  # masked over exactly these neighbours
             word = msg.wire_dtype(cfg.bits)
+            signature = b""
+            if cfg.presign:  # S = the whole list, signed now: the one set of this round
+                assert self.identity is not None
+                presigned = tuple(c for c, _ in m.advertised)
+                signature = self.identity.sign(mal.consistency_message(
+                    cfg.run_id, cfg.round_id, presigned, digest))
             head = msg.shares_and_input_head(self._header(MsgType.SHARES_AND_INPUT), shares,
-                                             cfg.dim, word)
+                                             cfg.dim, word, signature)
             reply = self._masked(head, self._checked_input(), derived, ids)
         else:  # no input (yet): the shares alone; the masked input follows FORWARDED_SHARES
             reply = msg.encode_share_keys(self._header(MsgType.SHARE_KEYS), shares)
@@ -314,6 +329,7 @@ class SecAggClient:
         self._early = not isinstance(reply, bytes)
         if cfg.malicious:
             self.neighbours, self._listed, self._digest = neighbours, m.advertised, digest
+            self._signed_set = presigned
         self._c_sk = self._s_sk = None  # everything later needs is derived now
         self.stage = Stage.SHARE_KEYS
         return reply
@@ -339,6 +355,9 @@ class SecAggClient:
             raise ProtocolError("forwarded shares already received this round: a second set "
                                 "is refused")
         self._require_stage(Stage.SHARE_KEYS, "FORWARDED_SHARES")
+        if self._signed_set:
+            raise ProtocolError("FORWARDED_SHARES in a pre-signed round: this client masked "
+                                "its input with its shares and signed its survivor set")
         x = self._checked_input()
         h, m = msg.decode_forwarded_shares(payload)
         held, failed = self._load_forwarded(h, m)
@@ -367,15 +386,21 @@ class SecAggClient:
         if self.stage != Stage.SHARE_KEYS or not self._early:
             raise ProtocolError(f"{h.kind.name}, but this client sent no masked input with "
                                 "its shares")
-        want = MsgType.SHARES_AND_CHECK if cfg.malicious else MsgType.SHARES_AND_UNMASK
+        want = MsgType.SHARES_AND_CHECK if cfg.malicious and not self._signed_set \
+            else MsgType.SHARES_AND_UNMASK
+        if h.kind is MsgType.SHARES_AND_CHECK and self._signed_set:
+            raise ProtocolError("consistency check refused: this client pre-signed its "
+                                "survivor set for this round (one set per round)")
         if h.kind is not want:
             raise ProtocolError(f"{h.kind.name} in a {cfg.security} session: the shares "
                                 f"travel with {want.name}")
         held, failed = self._load_forwarded(h, m)
         saved = (self._held, self._failed, self.stage)
-        self._held, self._failed, self.stage = held, failed, Stage.MASKED_INPUT
+        # pre-signed: as if the consistency check had come and been signed
+        stage = Stage.CONSISTENCY_CHECK if self._signed_set else Stage.MASKED_INPUT
+        self._held, self._failed, self.stage = held, failed, stage
         try:
-            reply = (self._on_consistency_check(rest) if cfg.malicious
+            reply = (self._on_consistency_check(rest) if want is MsgType.SHARES_AND_CHECK
                      else self._on_unmask_request(rest))
         except ProtocolError:
             self._held, self._failed, self.stage = saved
@@ -390,6 +415,9 @@ class SecAggClient:
     def _on_consistency_check(self, payload: bytes) -> bytes:
         if not self._cfg.malicious:
             raise ProtocolError("CONSISTENCY_CHECK in a semi-honest session")
+        if self._signed_set and self._cfg.presign:
+            raise ProtocolError("consistency check refused: this client pre-signed its "
+                                "survivor set for this round (one set per round)")
         self._require_stage(Stage.MASKED_INPUT, "CONSISTENCY_CHECK")
         h, m = msg.decode_consistency_check(payload)
         self._check_header(h)
@@ -815,8 +843,11 @@ class SecAggClient:
         if len(signed) % 8:
             raise ProtocolError("malformed client state: a signed set id is cut short")
         self._signed_set = struct.unpack(f"<{len(signed) // 8}Q", signed)
-        if (self.stage >= Stage.CONSISTENCY_CHECK) != bool(self._signed_set):
+        presigned = self._cfg.presign and self.stage == Stage.SHARE_KEYS and self._early
+        if (self.stage >= Stage.CONSISTENCY_CHECK or presigned) != bool(self._signed_set):
             raise ProtocolError(f"client state does not match stage {self.stage.name}")
+        if presigned and self._signed_set != tuple(c for c, _ in self._listed):
+            raise ProtocolError("client state: a pre-signed set other than the whole list")
 
 
 def _is_malicious(setup: bytes) -> bool:

@@ -51,6 +51,7 @@ def run_secagg_round(
     pending: PendingAdverts | None = None,
     previous: Mapping[int, SecAggClient] | None = None,
     exchanges: list[int] | None = None,
+    presign: bool = False,
 ) -> tuple[np.ndarray | None, SecAggServer]:
     """Run one round; returns (sum mod 2^bits, server), or (None, server) if aborted.
 
@@ -73,6 +74,8 @@ def run_secagg_round(
     advertise their next round's keys with their last reply, kept there, and the round
     uses those of this round when every client has one; ``previous``: the clients of
     the node's last round (each new client inherits its keys advertised ahead).
+    ``presign``: in a malicious round that uses keys advertised ahead, the clients sign the
+    survivor set (the whole list) with their masked inputs (``SessionParams.presign``).
     ``exchanges`` receives the number of server messages sent to clients in turn
     (exchanges) this round took.
     """
@@ -85,6 +88,7 @@ def run_secagg_round(
         ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed,
         security=security, flow=flow, keys_ahead=given is not None,
         advertise_ahead=pending is not None,
+        presign=presign and given is not None and security == MALICIOUS,
     )
     server = SecAggServer(config, policy, server_trusted, given)
     if security == MALICIOUS:

@@ -55,6 +55,12 @@ each only with the merged flow's bit, and two bundles of two whole messages::
     UNMASK_AND_ADVERTISE  u32 length of the UNMASK_RESPONSE, UNMASK_RESPONSE, then an
                           ADVERTISE_KEYS of the same run and sender for round + 1
 
+A pre-signed survivor set (``SessionParams.presign``: malicious mode, keys advertised
+ahead) adds SETUP mode bit 0x80 (only with 0x01 and 0x20) and one message::
+
+    PRESIGNED_INPUT       consistency signature 64B (on the whole advertisement list as
+                          the survivor set), then a SHARES_AND_INPUT body
+
 A ciphertext is nonce 12B || AES-GCM(b-share 33B || sk-share 33B) || tag 16B.
 Encoders return ``bytes``, except MASKED_INPUT: :func:`new_masked_input` gives a
 ``bytearray`` to write the vector into, and :func:`masked_input_head` the bytes before
@@ -116,7 +122,8 @@ _MODE_KEYS_AHEAD = 0x20
 _MODE_ADVERTISE_AHEAD = 0x40
 _MODES = {(False, False): 0, (True, False): _MODE_MALICIOUS,
           (False, True): _MODE_MERGED, (True, True): _MODE_MALICIOUS | _MODE_MERGED}
-_AHEAD_BITS = _MODE_KEYS_AHEAD | _MODE_ADVERTISE_AHEAD
+_MODE_PRESIGN = 0x80
+_AHEAD_BITS = _MODE_KEYS_AHEAD | _MODE_ADVERTISE_AHEAD | _MODE_PRESIGN
 
 T = TypeVar("T")
 
@@ -303,7 +310,8 @@ def encode_setup(config: SessionParams, recipient: int) -> bytes:
     body = _SETUP.pack(config.n, config.k, config.t, config.bits, config.dim, config.seed)
     bits = _MODES[(config.malicious, config.merged)]
     bits |= (_MODE_KEYS_AHEAD if config.keys_ahead else 0) | \
-        (_MODE_ADVERTISE_AHEAD if config.advertise_ahead else 0)
+        (_MODE_ADVERTISE_AHEAD if config.advertise_ahead else 0) | \
+        (_MODE_PRESIGN if config.presign else 0)
     mode = bytes([bits]) if bits else b""
     return _header_bytes(h) + body + struct.pack(f"<{config.n}Q", *config.participants) + mode
 
@@ -327,7 +335,8 @@ def decode_setup(data: bytes) -> tuple[Header, SessionParams]:
     try:
         config = SessionParams(ids, k, t, bits, dim, h.run_id, h.round_id, seed, security,
                                flow, bool(mode & _MODE_KEYS_AHEAD),
-                               bool(mode & _MODE_ADVERTISE_AHEAD))
+                               bool(mode & _MODE_ADVERTISE_AHEAD),
+                               bool(mode & _MODE_PRESIGN))
     except ValueError as exc:
         raise ProtocolError(f"invalid configuration: {exc}") from None
     return h, config
@@ -434,11 +443,18 @@ def decode_forwarded_shares(data: bytes) -> tuple[Header, ForwardedShares]:
 # --- the merged flow: SHARES_AND_INPUT, SHARES_AND_CHECK, SHARES_AND_UNMASK --------
 
 
-def shares_and_input_head(h: Header, m: ShareKeys, dim: int, dtype: np.dtype) -> bytes:
+def shares_and_input_head(h: Header, m: ShareKeys, dim: int, dtype: np.dtype,
+                          signature: bytes = b"") -> bytes:
     """Everything of a SHARES_AND_INPUT message before its ``dim`` words: the SHARE_KEYS
     body, zero bytes up to a multiple of 8, then a MASKED_INPUT body's head (no failed
-    peers), so the words are aligned."""
+    peers), so the words are aligned. With ``signature`` (a pre-signed round) the message
+    is a PRESIGNED_INPUT: the consistency signature first, then the same body."""
     shares = _encode_addressed(h, m.shares)
+    if signature:
+        if len(signature) != SIGNATURE_BYTES:
+            raise ValueError(f"a consistency signature is {SIGNATURE_BYTES} bytes")
+        kind = Header(MsgType.PRESIGNED_INPUT, h.run_id, h.round_id, h.client_id)
+        shares = _header_bytes(kind) + _SIG.pack(signature) + shares[HEADER.size :]
     pad = -len(shares) % 8
     tail = masked_input_head(h, (), dim, dtype)[HEADER.size :]
     return shares + bytes(pad) + tail
@@ -447,7 +463,20 @@ def shares_and_input_head(h: Header, m: ShareKeys, dim: int, dtype: np.dtype) ->
 def decode_shares_and_input(data: bytes) -> tuple[Header, ShareKeys, MaskedInput]:
     """A SHARES_AND_INPUT message; the vector is a read-only zero-copy view, as in
     :func:`decode_masked_input`."""
-    h, r = _open(data, MsgType.SHARES_AND_INPUT)
+    h, shares, masked, _ = _decode_shares_and_input(data, MsgType.SHARES_AND_INPUT)
+    return h, shares, masked
+
+
+def decode_presigned_input(data: bytes) -> tuple[Header, ShareKeys, MaskedInput, bytes]:
+    """A PRESIGNED_INPUT message: as :func:`decode_shares_and_input`, and the consistency
+    signature it carries."""
+    return _decode_shares_and_input(data, MsgType.PRESIGNED_INPUT)
+
+
+def _decode_shares_and_input(data: bytes, kind: MsgType
+                             ) -> tuple[Header, ShareKeys, MaskedInput, bytes]:
+    h, r = _open(data, kind)
+    signature = r.unpack(_SIG)[0] if kind is MsgType.PRESIGNED_INPUT else b""
     shares = _unique_peers(tuple(r.unpack(_ADDRESSED_CT)
                                  for _ in range(r.count(_ADDRESSED_CT.size))))
     pad = -r.pos % 8
@@ -464,7 +493,7 @@ def decode_shares_and_input(data: bytes) -> tuple[Header, ShareKeys, MaskedInput
     if dim * word != len(r.data) - r.pos:
         raise ProtocolError(f"{dim} words do not fit the message length")
     vec = np.frombuffer(r.data, dtype=f"<u{word}", count=dim, offset=r.pos)
-    return h, ShareKeys(shares), MaskedInput((), vec)
+    return h, ShareKeys(shares), MaskedInput((), vec), signature
 
 
 _WITH_SHARES = {MsgType.CONSISTENCY_CHECK: MsgType.SHARES_AND_CHECK,
@@ -765,6 +794,7 @@ DECODERS = {
     MsgType.CONSISTENCY_CHECK: decode_consistency_check,
     MsgType.CONSISTENCY_SIGNATURE: decode_consistency_signature,
     MsgType.SHARES_AND_INPUT: decode_shares_and_input,
+    MsgType.PRESIGNED_INPUT: decode_presigned_input,
     MsgType.SHARES_AND_CHECK: split_shares,
     MsgType.SHARES_AND_UNMASK: split_shares,
     MsgType.SETUP_AND_KEYS: unbundle,

@@ -206,7 +206,11 @@ class SessionParams:
     keys advertised a round ahead (:mod:`privacy.secagg.ahead`): ``keys_ahead``, this
     session's keys are those its clients advertised with their last reply of the previous
     round (SETUP travels with PUBLIC_KEYS); ``advertise_ahead``, each client's last reply
-    carries its advertisement for the next round.
+    carries its advertisement for the next round. ``presign`` (malicious mode, with
+    ``keys_ahead`` only): each client signs the survivor set S = the whole advertisement
+    list with its SHARES_AND_INPUT (PRESIGNED_INPUT), so the consistency check's exchange
+    is skipped; the round completes only if every listed client answers (see
+    docs/PRIVACY.md, "A pre-signed survivor set").
     """
 
     participants: tuple[int, ...]
@@ -221,6 +225,7 @@ class SessionParams:
     flow: str = MERGED
     keys_ahead: bool = False
     advertise_ahead: bool = False
+    presign: bool = False
 
     def __post_init__(self) -> None:
         p = self.participants
@@ -254,6 +259,9 @@ class SessionParams:
             raise ValueError("keys advertised ahead need the merged flow")
         if self.advertise_ahead and self.round_id == (1 << 32) - 1:
             raise ValueError("no round follows round 2**32 - 1 to advertise keys for")
+        if self.presign and not (self.keys_ahead and self.security == MALICIOUS):
+            raise ValueError("a pre-signed survivor set needs the malicious mode and keys "
+                             "advertised ahead")
 
     @property
     def merged(self) -> bool:
@@ -296,6 +304,7 @@ class SessionParams:
         flow: str = MERGED,
         keys_ahead: bool = False,
         advertise_ahead: bool = False,
+        presign: bool = False,
     ) -> SessionParams:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
@@ -313,7 +322,7 @@ class SessionParams:
         if seed is None:
             seed = os.urandom(SEED_BYTES)
         return cls(ids, k, t, bits, dim, run_id, round_id, seed, security, flow, keys_ahead,
-                   advertise_ahead)
+                   advertise_ahead, presign)
 
 
 def word_dtype(bits: int) -> np.dtype:

@@ -52,6 +52,16 @@ accepted; with ``config.keys_ahead`` the session is given every participant's ad
 (``ahead``), takes them as stage 1's replies (each checked as one) in :meth:`start`, and
 sends each client SETUP and PUBLIC_KEYS at once (SETUP_AND_KEYS): one exchange fewer.
 
+A pre-signed survivor set (``config.presign``: malicious mode, keys ahead): each client
+answers SETUP_AND_KEYS with PRESIGNED_INPUT, its masked input with its consistency
+signature on S = the whole advertisement list, each checked as it comes (a masked input
+without a valid one is rejected; shares alone make their sender a dropout of the masked
+input). When every listed client's arrived, the survivor set is S and
+the session skips the consistency check: the forwarded shares go with the unmask request
+(SHARES_AND_UNMASK), which carries a quorum of those signatures. Otherwise it aborts
+before any share is requested: the pre-signers signed their one set of the round, so no
+other survivor set can reach a quorum.
+
 Cost: masked vectors are added into one running sum as they arrive (a sender
 rejected later is subtracted again), so only that sum is kept for stage 4, where
 the secrets are rebuilt (one set of Lagrange coefficients per set of holders)
@@ -110,6 +120,7 @@ class SecAggServer:
         self.list_digest = b""
         self._signatures: dict[int, bytes] = {}  # malicious: consistency signatures
         self._consistency = b""  # malicious: what they sign
+        self._presigned: dict[int, bytes] = {}  # presign: the valid pre-signatures
         self.stage = Stage.SETUP  # the stage whose replies are awaited
         self.status = Status.RUNNING
         self.abort_reason: str | None = None
@@ -331,7 +342,20 @@ class SecAggServer:
 
     def _accept_shares(self, sender: int, payload: bytes) -> dict[int, bytes]:
         early = None
-        if msg.read_header(payload).kind is MsgType.SHARES_AND_INPUT:
+        kind = msg.read_header(payload).kind
+        if self.config.presign and kind is MsgType.SHARES_AND_INPUT:
+            raise ProtocolError("a pre-signed round needs the masked input with the shares "
+                                f"and a consistency signature, got {kind.name}")
+        if kind is MsgType.PRESIGNED_INPUT:
+            if not self.config.presign:
+                raise ProtocolError("a pre-signed input in a round that asks for none")
+            _, m, early, signature = msg.decode_presigned_input(payload)
+            identity = self._keys[sender].identity
+            if not mal.verify(TrustedKeys([identity]), identity, signature, self._consistency):
+                raise ProtocolError("pre-signature does not verify (on the whole "
+                                    "advertisement list as the survivor set)")
+            self._check_vector(early)
+        elif kind is MsgType.SHARES_AND_INPUT:
             _, m, early = msg.decode_shares_and_input(payload)
             self._check_vector(early)
         else:
@@ -349,6 +373,8 @@ class SecAggServer:
         if early is not None:  # summed as it comes; taken out again if the fallback runs
             self._early[sender] = early
             self._add_vector(sender, early.vector)
+            if kind is MsgType.PRESIGNED_INPUT:
+                self._presigned[sender] = signature
         return cts
 
     def _accept_masked_input(self, sender: int, payload: bytes) -> msg.MaskedInput:
@@ -416,6 +442,10 @@ class SecAggServer:
                     self._keys.pop(c, None)
         if self.config.malicious:
             self._derive_graph()
+        if self.config.presign:  # what every listed client signs with its masked input
+            cfg, ids = self.config, tuple(c for c, _ in self.advertised)
+            self._consistency = mal.consistency_message(cfg.run_id, cfg.round_id, ids,
+                                                        self.list_digest)
         active = self._prune(set(self._keys), "keys")
         self._told_keys = {u: self.neighbours[u] & active for u in active}
         out = {}
@@ -457,6 +487,8 @@ class SecAggServer:
         Otherwise (the fallback, or the classic flow) the shares are forwarded and the
         masked-input stage runs: the early inputs are discarded."""
         self._cts = dict(self._received)  # type: ignore[arg-type]
+        if self.config.presign:
+            self._check_presigned()
         self.merged = bool(self._early) and self._cts.keys() == self._told_keys.keys()
         if not self.merged:
             for u in list(self._summed):
@@ -515,9 +547,43 @@ class SecAggServer:
         for u in set(self._summed) - survivors:
             self._remove_vector(u)
         self._summed = {}  # the sum is all that is kept of the survivors' vectors
+        if self.config.presign:  # signed already: S is the whole list, checked at close
+            if survivors != {c for c, _ in self.advertised}:  # unreachable after the check
+                raise Aborted("pre-signed round: the survivors are not the signed list; "
+                              "no share was requested")
+            self._signatures = dict(self._presigned)
+            return self._with_shares(self._unmask_requests(survivors))
         if self.config.malicious:
             return self._with_shares(self._consistency_check())
         return self._with_shares(self._unmask_requests(survivors))
+
+    def _check_presigned(self) -> None:
+        """A pre-signed round: every listed client must have sent its masked input with a
+        valid pre-signature (the survivor set is then the list); else abort, since the
+        pre-signers signed their one set of the round and no other set can reach a
+        quorum."""
+        listed = [c for c, _ in self.advertised]
+        missing = [c for c in listed if c not in self._presigned or c in self.rejected]
+        if not missing:
+            return
+        why = []
+        for c in missing[:5]:
+            if c in self.rejected:
+                why.append(f"{c}: rejected: {self.rejected[c]}")
+            elif c in self.excluded:
+                why.append(f"{c}: {self.excluded[c]}")
+            elif c in self.dropouts.get(Stage.SHARE_KEYS, ()):
+                why.append(f"{c}: dropped")
+            elif c in self._cts:
+                why.append(f"{c}: sent its shares without its masked input")
+            else:
+                why.append(f"{c}: no masked input with a pre-signature")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise Aborted(f"pre-signed round: {len(missing)} of the {len(listed)} listed clients "
+                      f"sent no valid masked input with a pre-signature ({'; '.join(why)}"
+                      f"{more}); the others signed the whole list as their one survivor set "
+                      "of this round, so no other set can reach a quorum; no share was "
+                      "requested")
 
     def _consistency_check(self) -> dict[int, bytes]:
         """Malicious mode: send every survivor the survivor set to sign."""

@@ -37,12 +37,15 @@ class MsgType(IntEnum):
     SETUP_AND_KEYS = 14  # server -> client: SETUP, then PUBLIC_KEYS of the ahead keys
     UNMASK_AND_ADVERTISE = 15  # client -> server: UNMASK_RESPONSE, then the next round's
     #                            ADVERTISE_KEYS
+    # a pre-signed survivor set (SessionParams.presign, malicious mode, keys ahead)
+    PRESIGNED_INPUT = 16  # client -> server: its consistency signature on the whole
+    #                       advertisement list, then SHARES_AND_INPUT's body
 
 
 #: The client messages the server accepts while a stage is open.
 REPLY_TYPE: dict[Stage, tuple[MsgType, ...]] = {
     Stage.ADVERTISE_KEYS: (MsgType.ADVERTISE_KEYS,),
-    Stage.SHARE_KEYS: (MsgType.SHARE_KEYS, MsgType.SHARES_AND_INPUT),
+    Stage.SHARE_KEYS: (MsgType.SHARE_KEYS, MsgType.SHARES_AND_INPUT, MsgType.PRESIGNED_INPUT),
     Stage.MASKED_INPUT: (MsgType.MASKED_INPUT,),
     Stage.CONSISTENCY_CHECK: (MsgType.CONSISTENCY_SIGNATURE,),
     Stage.UNMASKING: (MsgType.UNMASK_RESPONSE, MsgType.UNMASK_AND_ADVERTISE),

@@ -136,6 +136,10 @@ class LyingRound:
             early = self.sent[(MsgType.SHARES_AND_INPUT, u)]
             vectors.append((msg.decode_shares_and_input(early)[2].vector,
                             self.server._told_keys[u]))
+        if (MsgType.PRESIGNED_INPUT, u) in self.sent:  # a pre-signed round's
+            early = self.sent[(MsgType.PRESIGNED_INPUT, u)]
+            vectors.append((msg.decode_presigned_input(early)[2].vector,
+                            self.server._told_keys[u]))
         out = []
         for vector, peers in vectors:
             got = self._rebuild(u, vector, peers)

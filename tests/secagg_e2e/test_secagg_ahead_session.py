@@ -51,9 +51,10 @@ def _app(inputs) -> ClientApp:
     return app
 
 
-def _rounds(security: str, ahead: bool, rounds: int = 4):
+def _rounds(security: str, ahead: bool, rounds: int = 4, presign: bool = False):
     grid = CountingGrid(_app(synthetic_inputs(N, DIM)), N)
-    settings = SecAggScenarioConfig(enabled=True, security=security, advertise_ahead=ahead)
+    settings = SecAggScenarioConfig(enabled=True, security=security, advertise_ahead=ahead,
+                                    presign=presign)
     session = SecAggSession(grid, settings, "examples", 7, 5.0, 0.001)
     pending = PendingAdverts()
     arrays, config = empty_model()
@@ -81,6 +82,20 @@ def test_rounds_after_the_first_take_one_exchange_fewer_and_give_the_same_sums(s
     # the first exchange is the training stage's, the share-keys work included
     assert "advertise_keys" in ahead[1][0].stage_seconds
     assert "share_keys" not in ahead[1][0].stage_seconds
+
+
+def test_malicious_rounds_with_the_survivor_set_presigned_take_two_exchanges():
+    """``secagg.presign`` (the default): a malicious round whose keys came ahead takes
+    2 exchanges, as semi-honest, with the same sums as the usual flow."""
+    assert SecAggScenarioConfig().presign is True
+    signed, _, _ = _rounds("malicious", True, presign=True)
+    usual, _, _ = _rounds("malicious", False, presign=True)  # no keys ahead: nothing to do
+    assert [e for _, e in signed] == [4, 2, 2, 2]
+    assert [e for _, e in usual] == [4] * 4
+    for (a, _), (b, _) in zip(signed, usual, strict=True):
+        np.testing.assert_array_equal(a.weighted_sum, b.weighted_sum)
+        assert (a.total_weight, a.examples) == (b.total_weight, b.examples)
+        assert a.survivors == b.survivors == list(range(1, N + 1))
 
 
 def test_a_deployed_client_refuses_a_fresh_setup_for_a_round_its_ahead_keys_ran():
