@@ -36,8 +36,9 @@ over the warm rounds of all its runs). Every secure round must be recorded as co
 run's CPU seconds of the SuperLink process are read from ``/proc``. The figure
 of merit is each secure variant's median warm round over the plain one's (target: at most
 2). A secure round is two exchanges between the server and the SuperNodes once keys are
-advertised ahead (three with the consistency check; round 1 one more; a plain round is
-one), each waiting for the SuperNodes' next pull:
+advertised ahead, in both modes (the malicious one pre-signs the survivor set; round 1
+runs the usual flow, consistency check included; a plain round is one), each waiting for
+the SuperNodes' next pull:
 ``--pull-interval`` sets their idle pull interval (default 0.2 s, as ``fedring deploy
 up``); within 3 s of a reply they pull every 0.05 s (``client.supernode``).
 The SuperLink is ``fedring deploy up``'s (``python -m server.superlink``: Flower's
