@@ -46,10 +46,9 @@ from client.protocol.flower_compat import (
     shorten_supernode_waits,
 )
 from client.protocol.http_app import (
-    check_trivial_dependencies,
-    is_trivial_dependency,
+    add_http_options,
+    inline_trivial_dependencies,
     merge_middleware,
-    run_dependencies_inline,
 )
 from client.task_signal import notifier
 
@@ -130,11 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task-signal", metavar="NAME",
                         help="wake the executor listening on this socket name once a "
                              "message is stored (client.executor --task-signal)")
-    parser.add_argument("--stacked-middleware", action="store_true",
-                        help="run the Runtime API's middleware layers stacked, as Flower does")
-    parser.add_argument("--threaded-dependencies", action="store_true",
-                        help="run every synchronous dependency in a worker thread, as "
-                             "FastAPI does")
+    add_http_options(parser, "the Runtime API")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if min(args.pull_interval, args.reply_interval, args.busy_pull_interval) <= 0:
         parser.error("--pull-interval, --busy-pull-interval and --reply-interval must be > 0")
@@ -148,8 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     customize_supernode_app(functools.partial(customize_runtime_api,
                                               stacked=args.stacked_middleware))
     if not args.threaded_dependencies:
-        check_trivial_dependencies()  # fails now, not at the first request
-        run_dependencies_inline(is_trivial_dependency)
+        inline_trivial_dependencies()
     if args.task_signal:
         on_supernode_message(notifier(args.task_signal))
     run_flower_supernode(rest[1:] if rest[:1] == ["--"] else rest,

@@ -30,27 +30,21 @@ import sys
 
 from client.protocol.flower_compat import replace_superlink_middleware, run_flower_superlink
 from client.protocol.http_app import (
-    check_trivial_dependencies,
-    is_trivial_dependency,
+    add_http_options,
+    inline_trivial_dependencies,
     merge_middleware,
-    run_dependencies_inline,
 )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m server.superlink", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stacked-middleware", action="store_true",
-                        help="run Flower's middleware layers stacked, as Flower does")
-    parser.add_argument("--threaded-dependencies", action="store_true",
-                        help="run every synchronous dependency in a worker thread, as "
-                             "FastAPI does")
+    add_http_options(parser, "the SuperLink")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not args.stacked_middleware:
         replace_superlink_middleware(merge_middleware)
     if not args.threaded_dependencies:
-        check_trivial_dependencies()  # fails now, not at the first request
-        run_dependencies_inline(is_trivial_dependency)
+        inline_trivial_dependencies()
     run_flower_superlink(rest[1:] if rest[:1] == ["--"] else rest)
 
 

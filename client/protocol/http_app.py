@@ -14,6 +14,7 @@ translation and log runs as before, in Flower's order.
 
 from __future__ import annotations
 
+import argparse
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,3 +114,19 @@ def check_trivial_dependencies() -> None:
 @functools.cache
 def _trivial() -> tuple[tuple[Callable[..., Any], ...], tuple[type, ...]]:
     return trivial_http_dependencies()
+
+
+def add_http_options(parser: argparse.ArgumentParser, api: str) -> None:
+    """The wrappers' options that keep Flower's way for ``api``'s app."""
+    parser.add_argument("--stacked-middleware", action="store_true",
+                        help=f"run {api}'s middleware layers stacked, as Flower does")
+    parser.add_argument("--threaded-dependencies", action="store_true",
+                        help="run every synchronous dependency in a worker thread, as "
+                             "FastAPI does")
+
+
+def inline_trivial_dependencies() -> None:
+    """Call the trivial dependencies on the event loop; fails now, not at the first
+    request, when a name they rely on is gone."""
+    check_trivial_dependencies()
+    run_dependencies_inline(is_trivial_dependency)
