@@ -99,7 +99,7 @@ from privacy.dp import DistributedDPPlan, distributed_decode
 from privacy.secagg import SecAggServer, SessionParams, Stage, Status, dequantize_weighted
 from privacy.secagg.ahead import PendingAdverts
 from privacy.secagg.eval_words import EvalWords
-from privacy.secagg.params import CLASSIC, MALICIOUS, MERGED
+from privacy.secagg.params import CLASSIC, MERGED
 from privacy.secagg.quantize import LOSS_RANGE, StatWords, max_level
 from server.compression import RoundPattern
 from server.grid_io import collect, push
@@ -284,9 +284,7 @@ class SecAggSession:
                                                    flow=MERGED if masked_input is None
                                                    else CLASSIC, keys_ahead=given is not None,
                                                    advertise_ahead=ahead,
-                                                   presign=given is not None
-                                                   and settings.presign
-                                                   and settings.security == MALICIOUS),
+                                                   presign=settings.presign),
                               settings.policy, None, given)
         exchanges = [0]  # the session's exchanges so far
         malicious = server.config.malicious

@@ -88,7 +88,7 @@ def run_secagg_round(
         ids, dim, bits=bits, k=k, t=t, run_id=run_id, round_id=round_id, seed=seed,
         security=security, flow=flow, keys_ahead=given is not None,
         advertise_ahead=pending is not None,
-        presign=presign and given is not None and security == MALICIOUS,
+        presign=presign,
     )
     server = SecAggServer(config, policy, server_trusted, given)
     if security == MALICIOUS:

@@ -309,7 +309,9 @@ class SessionParams:
         """Sort the ids, fill in default k and t, draw a fresh public seed.
 
         The default k is at least ``MIN_NEIGHBORS`` (3) or the full graph; its graph is
-        connected whatever the seed (:mod:`privacy.secagg.graph`)."""
+        connected whatever the seed (:mod:`privacy.secagg.graph`). ``presign`` asks for a
+        pre-signed survivor set: it holds only in the malicious mode with ``keys_ahead``,
+        and any other round runs without it."""
         ids = tuple(sorted(int(c) for c in participants))
         n = len(ids)
         if k is None:
@@ -321,6 +323,7 @@ class SessionParams:
             t = default_threshold(k)
         if seed is None:
             seed = os.urandom(SEED_BYTES)
+        presign = presign and keys_ahead and security == MALICIOUS
         return cls(ids, k, t, bits, dim, run_id, round_id, seed, security, flow, keys_ahead,
                    advertise_ahead, presign)
 
